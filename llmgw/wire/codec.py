@@ -1,0 +1,71 @@
+"""Encoding and framing of link messages.
+
+Framing is newline-delimited JSON: one message per line, UTF-8. JSON text never contains a raw
+newline, so a line is a message, and a capture of the stream reads as plain text. A line longer
+than ``MAX_MESSAGE_BYTES`` is a protocol error: it bounds what a broken or hostile peer can make us
+buffer before we give up on the connection.
+"""
+
+from __future__ import annotations
+
+import json
+
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+from llmgw.wire.messages import MESSAGE_TYPES, Message
+
+# Inventory of a 8-GPU node with processes is a few KiB; later messages (adapter pieces) are sent
+# in chunks far below this.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+class FramingError(Exception):
+    """The peer sent something that is not a stream of messages."""
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=False)
+    configure_tagged_union(Message, conv, tag_name="type", tag_generator=lambda cl: cl.__name__)
+    return conv
+
+
+converter = _make_converter()
+
+
+def encode(message: Message) -> bytes:
+    data = converter.unstructure(message, Message)
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def decode(line: bytes) -> Message:
+    try:
+        data = json.loads(line)
+        return converter.structure(data, Message)
+    except (ValueError, cattrs.BaseValidationError, KeyError, TypeError) as exc:
+        raise FramingError(f"undecodable message: {exc}") from None
+
+
+class LineDecoder:
+    """Splits received bytes into messages; keeps the unfinished tail."""
+
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self._buffer = bytearray()
+        self._max = max_message_bytes
+
+    def feed(self, data: bytes) -> list[Message]:
+        self._buffer += data
+        messages = []
+        start = 0
+        while (end := self._buffer.find(b"\n", start)) != -1:
+            line = bytes(self._buffer[start:end])
+            start = end + 1
+            if line.strip():
+                messages.append(decode(line))
+        del self._buffer[:start]
+        if len(self._buffer) > self._max:
+            raise FramingError(f"message longer than {self._max} bytes")
+        return messages
+
+
+__all__ = ["FramingError", "LineDecoder", "MESSAGE_TYPES", "converter", "decode", "encode"]

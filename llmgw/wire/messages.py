@@ -1,0 +1,154 @@
+"""Messages exchanged on the agent link.
+
+Every message is a frozen attrs class. On the wire each one is a JSON object whose ``type`` field
+names the class (see :mod:`llmgw.wire.codec`). Adding a field with a default is compatible both
+ways: an older peer ignores nothing silently, so new fields must always have defaults.
+
+Commands (server → agent) carry an ``id`` that the agent's reply repeats as ``reply_to``, and a
+``trace`` context (W3C traceparent/tracestate style key/values; empty until tracing lands).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+frozen = attrs.frozen(kw_only=True)
+
+
+# --- what a node is made of (the agent's discovery) -------------------------------------------
+
+
+@frozen
+class ForeignProcess:
+    """A process holding GPU memory that llmgw did not start."""
+
+    pid: int
+    name: str = ""
+    used_mib: int = 0
+
+
+@frozen
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    gpu_class: str  # e.g. "l40s-45g": product name + driver-reported memory rounded to GiB
+    memory_total_mib: int
+    memory_used_mib: int
+    compute_capability: str  # "8.9"
+    ecc_uncorrected: int = 0  # volatile uncorrected ECC errors; -1 when the GPU cannot say
+    foreign_processes: tuple[ForeignProcess, ...] = ()
+    # Health flags, empty when healthy: "ecc-uncorrected", "foreign-memory".
+    problems: tuple[str, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    @property
+    def memory_free_mib(self) -> int:
+        return max(0, self.memory_total_mib - self.memory_used_mib)
+
+
+@frozen
+class IbPort:
+    """One port of an InfiniBand/RoCE adapter, from /sys/class/infiniband."""
+
+    device: str  # "mlx5_0"
+    port: int
+    state: str  # "ACTIVE", "DOWN", ...
+    rate_gbps: float
+    link_layer: str  # "InfiniBand" or "Ethernet" (RoCE)
+    # RoCE only: the GID table entry that is RoCE v2 and holds an IPv4 address (NCCL_IB_GID_INDEX).
+    roce_v2_gid_index: int | None = None
+    # GID 0's subnet prefix (IB) or the IPv4 of the RoCE v2 GID: what ties ports into one fabric.
+    subnet: str = ""
+
+    @property
+    def is_roce(self) -> bool:
+        return self.link_layer == "Ethernet"
+
+
+@frozen
+class Inventory:
+    hostname: str
+    cpu_count: int
+    memory_total_mib: int
+    memory_available_mib: int
+    gpus: tuple[Gpu, ...] = ()
+    ib_ports: tuple[IbPort, ...] = ()
+    # The island this node's multi-node placements may span; "" = a single-node island.
+    fabric: str = ""
+    # The interface holding the address this agent uses to reach the server (NCCL/GLOO socket ifname).
+    mgmt_interface: str = ""
+    mgmt_address: str = ""
+    # Why the node has no GPUs listed, when NVML could not be used ("" when it could).
+    gpu_note: str = ""
+
+
+@frozen
+class RunningShard:
+    """A shard the agent is running (filled in by the supervisor issue)."""
+
+    shard_id: str
+    replica_id: str = ""
+    state: str = ""
+
+
+# --- link messages ------------------------------------------------------------------------------
+
+
+@frozen
+class Register:
+    """First message of the agent on a new stream."""
+
+    node: str
+    agent_version: str
+    inventory: Inventory
+    shards: tuple[RunningShard, ...] = ()
+
+
+@frozen
+class Registered:
+    """The server's answer to Register: the link is up and these are its rhythms."""
+
+    node: str
+    server_version: str
+    heartbeat_interval: float  # seconds; both sides send one at this rate
+    missed_heartbeats: int  # silence for interval × this ends the link
+
+
+@frozen
+class Heartbeat:
+    """Sent both ways every heartbeat interval; any message counts as a sign of life."""
+
+    seq: int
+    # The agent may attach a fresh inventory (free memory changes); None = unchanged.
+    inventory: Inventory | None = None
+
+
+@frozen
+class Ping:
+    """A command that proves the server can call the agent and get an answer."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    payload: str = ""
+
+
+@frozen
+class Pong:
+    reply_to: int
+    payload: str = ""
+    node: str = ""
+
+
+@frozen
+class Goodbye:
+    """Sent before a side closes the stream on purpose (shutdown, replaced by a newer link)."""
+
+    reason: str = ""
+
+
+Message = Register | Registered | Heartbeat | Ping | Pong | Goodbye
+MESSAGE_TYPES: tuple[type, ...] = (Register, Registered, Heartbeat, Ping, Pong, Goodbye)
