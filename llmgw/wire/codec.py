@@ -54,18 +54,24 @@ class LineDecoder:
         self._max = max_message_bytes
 
     def feed(self, data: bytes) -> list[Message]:
+        return [message for message, _ in self.feed_sized(data) if message is not None]
+
+    def feed_sized(self, data: bytes) -> list[tuple[Message | None, int]]:
+        """Complete messages in ``data`` and the buffered bytes before it, each with the number
+        of bytes it took on the wire (newline included), so that a receiver can return exactly
+        that much flow-control credit when the message is consumed. Blank lines come back as
+        ``(None, size)``."""
         self._buffer += data
-        messages = []
+        out: list[tuple[Message | None, int]] = []
         start = 0
         while (end := self._buffer.find(b"\n", start)) != -1:
             line = bytes(self._buffer[start:end])
+            out.append((decode(line) if line.strip() else None, end + 1 - start))
             start = end + 1
-            if line.strip():
-                messages.append(decode(line))
         del self._buffer[:start]
         if len(self._buffer) > self._max:
             raise FramingError(f"message longer than {self._max} bytes")
-        return messages
+        return out
 
 
 __all__ = ["FramingError", "LineDecoder", "MESSAGE_TYPES", "converter", "decode", "encode"]

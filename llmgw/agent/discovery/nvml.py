@@ -1,0 +1,97 @@
+"""GPUs through NVML: the only module of llmgw that imports pynvml.
+
+The caller may pass any object with pynvml's function, constant and exception names instead of
+the module; the tests describe fake machines that way. A node without the NVML library (or without
+the pynvml package) is a CPU-only node, not an error: the answer is no GPUs and a note saying why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.core.gpu_class import gpu_class
+from llmgw.wire.messages import ForeignProcess, Gpu
+
+MIB = 2**20
+
+
+def read_gpus(nvml: Any = None, own_pids: frozenset[int] = frozenset()) -> tuple[tuple[Gpu, ...], str]:
+    """The node's GPUs in NVML index order, and a note ("" when NVML answered).
+
+    ``own_pids`` are the processes llmgw started (every process of its shards): any other process
+    holding memory on a GPU makes that GPU unhealthy, since placement would count on memory that
+    is not there.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as exc:
+            return (), f"no NVML: {exc}"
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return (), f"no NVML: {exc}"
+    try:
+        gpus = tuple(_read_gpu(nvml, i, own_pids) for i in range(nvml.nvmlDeviceGetCount()))
+    except nvml.NVMLError as exc:
+        # A GPU that fell off the bus (GpuIsLost) or needs a reset: listing the others would
+        # invite placements on a node that needs an operator, so it shows none and says why.
+        return (), f"NVML failed: {exc}"
+    finally:
+        nvml.nvmlShutdown()
+    return gpus, ""
+
+
+def _read_gpu(nvml: Any, index: int, own_pids: frozenset[int]) -> Gpu:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    name = _text(nvml.nvmlDeviceGetName(handle))
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    ecc_uncorrected = _ecc_uncorrected(nvml, handle)
+    foreign = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid not in own_pids]
+    problems = []
+    if ecc_uncorrected > 0:
+        problems.append("ecc-uncorrected")
+    # usedGpuMemory is None where the driver cannot say (Windows WDDM); a compute process
+    # holds a context either way, so only an explicit 0 counts as holding nothing.
+    if any(p.usedGpuMemory != 0 for p in foreign):
+        problems.append("foreign-memory")
+    return Gpu(
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=name,
+        gpu_class=gpu_class(name, memory.total),
+        memory_total_mib=memory.total // MIB,
+        memory_used_mib=memory.used // MIB,
+        compute_capability=f"{major}.{minor}",
+        ecc_uncorrected=ecc_uncorrected,
+        foreign_processes=tuple(
+            ForeignProcess(pid=p.pid, name=_process_name(nvml, p.pid), used_mib=(p.usedGpuMemory or 0) // MIB)
+            for p in foreign
+        ),
+        problems=tuple(problems),
+    )
+
+
+def _ecc_uncorrected(nvml: Any, handle: Any) -> int:
+    """Volatile (since driver load) uncorrected ECC errors; -1 for a GPU without ECC."""
+    try:
+        return nvml.nvmlDeviceGetTotalEccErrors(
+            handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+        )
+    except nvml.NVMLError_NotSupported:
+        # Consumer cards and ECC switched off: nothing to count, which is no fault.
+        return -1
+
+
+def _process_name(nvml: Any, pid: int) -> str:
+    # The process may have exited since the list was taken, or live in another pid namespace.
+    try:
+        return _text(nvml.nvmlSystemGetProcessName(pid))
+    except nvml.NVMLError:
+        return ""
+
+
+def _text(value: str | bytes) -> str:
+    # Bindings for old drivers hand back bytes.
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -1,0 +1,183 @@
+"""The agent's end of the link: dial, register, answer commands, and keep coming back.
+
+One connection at a time. Each attempt dials the server (TLS when a CA file is configured), opens
+the link stream with the join token, registers with a fresh inventory — discovered after dialling,
+because the management interface is the one holding the address the connection left from — and
+then serves the session until it ends. Between attempts it waits a capped, jittered, growing delay
+that resets once a registration succeeds. A refused join token is final: retrying cannot fix it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import ssl
+from collections.abc import Callable
+
+import trio
+
+from llmgw import __version__
+from llmgw.core.backoff import reconnect_delay
+from llmgw.core.liveness import Liveness
+from llmgw.wire.h2link import H2Link, LinkClosed, LinkRefused
+from llmgw.wire.messages import Goodbye, Heartbeat, Inventory, Message, Ping, Pong, Register, Registered
+
+log = logging.getLogger(__name__)
+
+# Inventory rides on every Nth heartbeat: free memory drifts, but not fast enough to be worth
+# sending (and, on a GPU node, re-reading through NVML) every few seconds.
+INVENTORY_EVERY = 6
+# Dialling and registering must finish within this, or the attempt counts as failed.
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class JoinRefused(Exception):
+    """The server will not take this agent (wrong join token, bad node name)."""
+
+
+class AgentLink:
+    def __init__(
+        self,
+        *,
+        node: str,
+        host: str,
+        port: int,
+        join_token: str,
+        discover: Callable[[str], Inventory],
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+        initial_delay: float = 0.5,
+        max_delay: float = 30.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.node = node
+        self._host, self._port = host, port
+        self._token = join_token
+        self._discover = discover
+        self._ssl_context = ssl_context
+        self._server_name = server_name or host
+        self._initial_delay, self._max_delay = initial_delay, max_delay
+        self._rng = rng or random.Random()
+        self.registrations = 0  # how many times a session was established (tests, status)
+        self.connected = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keeps a session up forever; raises JoinRefused when the server says no for good."""
+        task_status.started()
+        failures = 0
+        while True:
+            registered, why = await self._attempt()
+            if registered:
+                failures = 0
+            delay = reconnect_delay(
+                failures, initial=self._initial_delay, maximum=self._max_delay, draw=self._rng.random()
+            )
+            failures += 1
+            log.warning("link to %s:%s down (%s); retrying in %.1fs", self._host, self._port, why, delay)
+            await trio.sleep(delay)
+
+    async def _attempt(self) -> tuple[bool, str]:
+        """One connection, start to end: (whether it registered, why it ended)."""
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                tcp = await trio.open_tcp_stream(self._host, self._port)
+        except (OSError, trio.TooSlowError) as exc:
+            return False, f"cannot connect: {exc or 'timed out'}"
+        local_address = tcp.socket.getsockname()[0]
+        transport: trio.abc.Stream = tcp
+        if self._ssl_context is not None:
+            transport = trio.SSLStream(
+                tcp, self._ssl_context, server_hostname=self._server_name, https_compatible=True
+            )
+        link = H2Link(transport, client_side=True, peer=f"{self._host}:{self._port}")
+        outcome: tuple[bool, str] = (False, "")
+        refused: JoinRefused | None = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            try:
+                liveness = await self._register(link, local_address)
+                self.registrations += 1
+                self.connected = True
+                log.info("registered with %s:%s as node %s", self._host, self._port, self.node)
+                outcome = (True, await self._serve(link, liveness, local_address))
+            except LinkRefused as exc:
+                if exc.status == 401:
+                    refused = JoinRefused(f"the server refused this agent: {exc.message}")
+                outcome = (False, f"refused: {exc.message}")
+            except JoinRefused as exc:
+                refused = exc
+            except (LinkClosed, trio.TooSlowError, ssl.SSLError, OSError) as exc:
+                outcome = (False, str(exc) or type(exc).__name__)
+            finally:
+                self.connected = False
+                with trio.CancelScope(shield=True):
+                    await link.aclose("agent closing the link")
+                nursery.cancel_scope.cancel()
+        if refused is not None:
+            raise refused
+        return outcome
+
+    async def _register(self, link: H2Link, local_address: str) -> Liveness:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            scheme = "https" if self._ssl_context is not None else "http"
+            await link.open_stream(
+                {"authorization": f"Bearer {self._token}", "x-llmgw-node": self.node},
+                authority=f"{self._host}:{self._port}",
+                scheme=scheme,
+            )
+            inventory = await trio.to_thread.run_sync(self._discover, local_address)
+            await link.send(Register(node=self.node, agent_version=__version__, inventory=inventory))
+            reply = await link.receive()
+        if isinstance(reply, Goodbye):
+            raise JoinRefused(f"the server refused this agent: {reply.reason}")
+        if not isinstance(reply, Registered):
+            raise LinkClosed(f"expected Registered, got {type(reply).__name__}")
+        return Liveness(interval=reply.heartbeat_interval, missed=reply.missed_heartbeats)
+
+    async def _serve(self, link: H2Link, liveness: Liveness, local_address: str) -> str:
+        """Runs a registered session until it ends; returns why."""
+
+        async def send_heartbeats() -> None:
+            for seq in itertools.count(1):
+                await trio.sleep(liveness.interval)
+                inventory = None
+                if seq % INVENTORY_EVERY == 0:
+                    inventory = await trio.to_thread.run_sync(self._discover, local_address)
+                await link.send(Heartbeat(seq=seq, inventory=inventory))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_closed, send_heartbeats)
+            nursery.start_soon(link.close_when_silent, liveness.window)
+            try:
+                while True:
+                    message = await link.receive()
+                    if isinstance(message, Goodbye):
+                        return f"the server said goodbye: {message.reason}"
+                    reply = self._answer(message)
+                    if reply is not None:
+                        await link.send(reply)
+            except LinkClosed as exc:
+                # Caught here, inside the nursery, so it leaves as itself rather than in a group.
+                return str(exc)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    def _answer(self, message: Message) -> Message | None:
+        match message:
+            case Ping(id=command_id, payload=payload):
+                return Pong(reply_to=command_id, payload=payload, node=self.node)
+            case Heartbeat():
+                return None
+            case _:
+                log.warning(
+                    "ignoring a %s the server sent: this agent does not know it", type(message).__name__
+                )
+                return None
+
+
+async def _until_closed(fn: Callable) -> None:
+    try:
+        await fn()
+    except LinkClosed:
+        pass  # the receive loop reports why

@@ -1,0 +1,463 @@
+"""Settings of the server and the agent, read from server.yaml and agent.yaml.
+
+Both files are parsed with one cattrs converter into frozen attrs classes. The converter is strict
+on purpose: an operator's typo must stop the process with a message naming the option, not
+silently fall back to a default. Every problem becomes one ``ConfigError`` whose text is a single
+line, ``<file>: <key.path>: <what is wrong>``, so it reads well in a terminal and in a journal.
+
+Paths in a file are relative to that file's directory (``~`` is expanded), so a config that sits
+next to its certificates keeps working wherever it is started from.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import AttributeValidationNote, ClassValidationError, ForbiddenExtraKeysError
+from cattrs.gen import make_dict_structure_fn
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; ``str()`` is one line naming the file and key."""
+
+    def __init__(self, name: str, problem: str, key: str | None = None) -> None:
+        self.name = name
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{name}: {key}: {problem}" if key else f"{name}: {problem}")
+
+
+class _BadValue(ValueError):
+    """A value the operator has to fix; the text is shown as is.
+
+    ``key`` is set when the check runs in a class's constructor (cross-field rules), where cattrs
+    cannot tell which attribute failed.
+    """
+
+    def __init__(self, problem: str, key: str | None = None) -> None:
+        super().__init__(problem)
+        self.key = key
+
+
+def default_home() -> Path:
+    """The root of llmgw's state: ``$LLMGW_HOME``, else ``$XDG_DATA_HOME/llmgw``, else
+    ``~/.local/share/llmgw``."""
+    if home := os.environ.get("LLMGW_HOME"):
+        return Path(home).expanduser().absolute()
+    # The XDG spec says a relative value is invalid and is to be ignored, like an empty one.
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "llmgw"
+    return Path.home() / ".local" / "share" / "llmgw"
+
+
+def _show(value: Any) -> str:
+    """A value as the operator wrote it, in YAML terms, on one line."""
+    if isinstance(value, str):
+        # JSON quoting escapes newlines, which keeps the error to one line.
+        shown = json.dumps(value, ensure_ascii=False)
+        return shown if len(shown) <= 80 else shown[:76] + '..."'
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
+
+
+# --- value types -------------------------------------------------------------------------------
+
+_HOST = re.compile(r"[A-Za-z0-9._-]+")
+_PORT = re.compile(r"[0-9]{1,5}")
+_MAX_PORT = 65535
+
+
+@attrs.frozen(kw_only=True)
+class Address:
+    """A TCP endpoint. Port 0 asks the OS for a free port (tests listen that way)."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: Any) -> Address:
+        """``host:port`` or ``[ipv6]:port``; raises ValueError with a message for the operator."""
+        expected = f"expected host:port, got {_show(text)}"
+        if not isinstance(text, str):
+            raise _BadValue(expected)
+        host, colon, port = text.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                raise _BadValue(f"expected [ipv6]:port, got {_show(text)}") from None
+        elif ":" in host:
+            # "::1:7070" cannot be split unambiguously; brackets are the usual cure.
+            raise _BadValue(
+                f"expected host:port (an IPv6 host goes in brackets, like [::1]:7070), got {_show(text)}"
+            )
+        elif not _HOST.fullmatch(host):
+            raise _BadValue(expected)
+        if not colon or not _PORT.fullmatch(port):
+            raise _BadValue(expected)
+        if int(port) > _MAX_PORT:
+            raise _BadValue(f"expected host:port with a port from 0 to {_MAX_PORT}, got {_show(text)}")
+        return cls(host=host, port=int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+# The markers below tell the converter how to read a field; the stored value is a plain float,
+# int or str, so callers never see a wrapper type.
+Duration = Annotated[float, "seconds; written 250ms, 5s, 2m, 1h or a number of seconds"]
+PositiveInt = Annotated[int, "an integer >= 1"]
+LogLevel = Annotated[str, "debug, info, warning or error"]
+NodeName = Annotated[str, "a lowercase DNS label, dots allowed"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|m|h)?")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# Node names end up in host-like places (metrics labels, directory names, TLS names), hence the
+# DNS label rule, with dots allowed for names like gpu1.rack3.
+_NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
+_NODE_NAME_RULE = (
+    "a node name (lowercase letters, digits, '-' and '.'; starting and ending with a letter or digit;"
+    " at most 63 characters)"
+)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string like ``250ms``, ``5s``, ``2m``, ``1h`` or ``2.5``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+        seconds = float(match[1]) * _DURATION_UNITS[match[2]]
+    else:
+        raise _BadValue(f"expected a duration like 5s, 500ms or 2.5, got {_show(value)}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise _BadValue(f"expected a duration > 0, got {_show(value)}")
+    return seconds
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+# --- the schema --------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ServerTls:
+    cert_file: Path
+    key_file: Path
+
+
+@attrs.frozen(kw_only=True)
+class LinkConfig:
+    """The listener agents connect to."""
+
+    listen: Address = Address(host="127.0.0.1", port=7070)
+    # None: <data_dir>/join-token, generated on first start.
+    join_token_file: Path | None = None
+    heartbeat_interval: Duration = 5.0
+    # An agent is considered gone after this many intervals without a heartbeat.
+    missed_heartbeats: PositiveInt = 3
+    # A connection that has not registered by then is dropped, so idle sockets cannot pile up.
+    handshake_timeout: Duration = 10.0
+    tls: ServerTls | None = None
+
+
+@attrs.frozen(kw_only=True)
+class AdminConfig:
+    """The admin API and status page."""
+
+    listen: Address = Address(host="127.0.0.1", port=7071)
+    # None: <data_dir>/admin-token, generated on first start.
+    token_file: Path | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    data_dir: Path = attrs.field(factory=lambda: default_home() / "server")
+    log_level: LogLevel = "info"
+    link: LinkConfig = attrs.field(factory=LinkConfig)
+    admin: AdminConfig = attrs.field(factory=AdminConfig)
+
+    @property
+    def join_token_path(self) -> Path:
+        return self.link.join_token_file or self.data_dir / "join-token"
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.admin.token_file or self.data_dir / "admin-token"
+
+
+@attrs.frozen(kw_only=True)
+class AgentServerConfig:
+    """How the agent reaches the server."""
+
+    address: Address = Address(host="127.0.0.1", port=7070)
+    # None: the caller uses $LLMGW_JOIN_TOKEN, else <default_home()>/server/join-token (the
+    # server's own file when both run on one machine).
+    join_token_file: Path | None = None
+    # Set: the link uses TLS and verifies the server against this CA.
+    ca_file: Path | None = None
+    # The TLS name to verify; None: the address's host.
+    server_name: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ReconnectConfig:
+    """Backoff between attempts to reach the server: growing from initial_delay up to max_delay."""
+
+    initial_delay: Duration = 0.5
+    max_delay: Duration = attrs.field(default=30.0)
+
+    @max_delay.validator
+    def _not_below_initial(self, _attribute: attrs.Attribute, value: float) -> None:
+        if value < self.initial_delay:
+            raise _BadValue(
+                f"expected a duration >= initial_delay ({_format_seconds(self.initial_delay)}),"
+                f" got {_format_seconds(value)}",
+                key="max_delay",
+            )
+
+
+@attrs.frozen(kw_only=True)
+class AgentConfig:
+    # None: the caller uses the host name, lowercased.
+    node_name: NodeName | None = None
+    work_dir: Path = attrs.field(factory=lambda: default_home() / "agent")
+    log_level: LogLevel = "info"
+    # Overrides the fabric name discovery finds (the IB/RoCE island the node belongs to).
+    fabric: str | None = None
+    server: AgentServerConfig = attrs.field(factory=AgentServerConfig)
+    reconnect: ReconnectConfig = attrs.field(factory=ReconnectConfig)
+
+
+# --- the converter -----------------------------------------------------------------------------
+# Strict hooks replace cattrs' lenient defaults, which would turn 5 into "5", "3" into 3 and 2.7
+# into 2: in a config file each of those is more likely a mistake than an intent.
+
+
+def _structure_str(value: Any, _type: Any) -> str:
+    if not isinstance(value, str):
+        raise _BadValue(f"expected a string, got {_show(value)}")
+    return value
+
+
+def _structure_path(value: Any, _type: Any) -> Path:
+    if not isinstance(value, str) or not value:
+        raise _BadValue(f"expected a path, got {_show(value)}")
+    return Path(value)
+
+
+def _structure_positive_int(value: Any, _type: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _BadValue(f"expected an integer >= 1, got {_show(value)}")
+    return value
+
+
+def _structure_log_level(value: Any, _type: Any) -> str:
+    level = value.lower() if isinstance(value, str) else None
+    if level not in LOG_LEVELS:
+        raise _BadValue(f"expected one of {', '.join(LOG_LEVELS)}, got {_show(value)}")
+    return level
+
+
+def _structure_node_name(value: Any, _type: Any) -> str:
+    if not isinstance(value, str) or not _NODE_NAME.fullmatch(value):
+        raise _BadValue(f"expected {_NODE_NAME_RULE}, got {_show(value)}")
+    return value
+
+
+T = TypeVar("T")
+
+
+def _section_hook(converter: cattrs.Converter, cls: type[T]) -> Callable[[Any, Any], T]:
+    """Structures an options section; an empty one (``link:`` with every child commented out)
+    means all defaults."""
+    structure = make_dict_structure_fn(cls, converter)
+
+    def hook(value: Any, _type: Any) -> T:
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise _BadValue(f"expected a mapping of options, got {_show(value)}")
+        return structure(value, cls)
+
+    return hook
+
+
+def _make_converter() -> cattrs.Converter:
+    # detailed_validation (the default) keeps every error with the attribute it belongs to, which
+    # is what lets ConfigError name the key.
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(str, _structure_str)
+    conv.register_structure_hook(Path, _structure_path)
+    conv.register_structure_hook(Address, lambda value, _type: Address.parse(value))
+    conv.register_structure_hook_factory(attrs.has, lambda cls: _section_hook(conv, cls))
+    # Annotated types are not classes, so they are matched by equality (which compares the marker).
+    for marker, hook in [
+        (Duration, lambda value, _type: parse_duration(value)),
+        (PositiveInt, _structure_positive_int),
+        (LogLevel, _structure_log_level),
+        (NodeName, _structure_node_name),
+    ]:
+        conv.register_structure_hook_func(lambda t, marker=marker: t == marker, hook)
+    return conv
+
+
+converter = _make_converter()
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+Key = tuple[Any, ...]
+
+
+def _problems(exc: BaseException, key: Key) -> Iterator[tuple[Key, str]]:
+    """Flattens cattrs' tree of errors into (key path, message) pairs."""
+    if isinstance(exc, ClassValidationError):
+        for sub in exc.exceptions:
+            notes = [n for n in getattr(sub, "__notes__", ()) if isinstance(n, AttributeValidationNote)]
+            yield from _problems(sub, key + (notes[-1].name,) if notes else key)
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        allowed = ", ".join(field.name for field in attrs.fields(exc.cl))
+        for extra in exc.extra_fields:
+            yield key + (extra,), f"unknown key (expected one of: {allowed})"
+    elif isinstance(exc, _BadValue):
+        yield (key + (exc.key,) if exc.key else key), str(exc)
+    elif isinstance(exc, KeyError):
+        yield key, "required option is missing"
+    else:
+        # Not one of our messages (a bug in a hook): still say where it happened.
+        yield key, f"{type(exc).__name__}: {exc}"
+
+
+def _document_order(data: Any, key: Key) -> tuple[int, ...]:
+    """Where a key sits in the file (YAML mappings keep their order); a missing key sorts after
+    its siblings. cattrs reports errors in field order, but "the first error" should mean the
+    first one the operator meets reading the file."""
+    position = []
+    for part in key:
+        if isinstance(data, dict):
+            keys = list(data)
+            position.append(keys.index(part) if part in data else len(keys))
+            data = data.get(part)
+        else:
+            position.append(0)
+            data = None
+    return tuple(position)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def _resolve_paths(config: T, base_dir: Path) -> T:
+    """Expands ``~`` and anchors relative paths at ``base_dir``, in every section."""
+    changes = {}
+    for field in attrs.fields(type(config)):
+        value = getattr(config, field.name)
+        if isinstance(value, Path):
+            changes[field.name] = base_dir / value.expanduser()
+        elif attrs.has(type(value)):
+            changes[field.name] = _resolve_paths(value, base_dir)
+    return attrs.evolve(config, **changes)
+
+
+def _parse(text: str, cls: type[T], name: str, base_dir: Path | None) -> T:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = ", ".join(filter(None, [getattr(exc, "context", None), getattr(exc, "problem", None)]))
+        mark = getattr(exc, "problem_mark", None)
+        if mark is None or not problem:
+            raise ConfigError(name, _one_line(str(exc))) from None
+        raise ConfigError(name, f"line {mark.line + 1}: {_one_line(problem)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(name, "expected a mapping of options at the top level")
+    try:
+        config = converter.structure(data, cls)
+    except ClassValidationError as exc:
+        key, problem = min(_problems(exc, ()), key=lambda item: _document_order(data, item[0]))
+        raise ConfigError(name, problem, key=".".join(map(str, key)) or None) from None
+    return _resolve_paths(config, (base_dir or Path.cwd()).absolute())
+
+
+def _load(path: Path, cls: type[T]) -> T:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(path.name, "no such file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path.name, f"not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(path.name, f"cannot read: {exc.strerror or exc}") from None
+    return _parse(text, cls, path.name, path.absolute().parent)
+
+
+def parse_server_config(text: str, name: str = "server.yaml", base_dir: Path | None = None) -> ServerConfig:
+    """Parses server.yaml text; relative paths are anchored at ``base_dir`` (default: cwd)."""
+    return _parse(text, ServerConfig, name, base_dir)
+
+
+def parse_agent_config(text: str, name: str = "agent.yaml", base_dir: Path | None = None) -> AgentConfig:
+    """Parses agent.yaml text; relative paths are anchored at ``base_dir`` (default: cwd)."""
+    return _parse(text, AgentConfig, name, base_dir)
+
+
+def load_server_config(path: Path | None) -> ServerConfig:
+    """Reads server.yaml; None means no file, all defaults."""
+    return ServerConfig() if path is None else _load(path, ServerConfig)
+
+
+def load_agent_config(path: Path | None) -> AgentConfig:
+    """Reads agent.yaml; None means no file, all defaults."""
+    return AgentConfig() if path is None else _load(path, AgentConfig)
+
+
+__all__ = [
+    "LOG_LEVELS",
+    "Address",
+    "AdminConfig",
+    "AgentConfig",
+    "AgentServerConfig",
+    "ConfigError",
+    "Duration",
+    "LinkConfig",
+    "LogLevel",
+    "NodeName",
+    "PositiveInt",
+    "ReconnectConfig",
+    "ServerConfig",
+    "ServerTls",
+    "converter",
+    "default_home",
+    "load_agent_config",
+    "load_server_config",
+    "parse_agent_config",
+    "parse_duration",
+    "parse_server_config",
+]

@@ -1,0 +1,250 @@
+"""``llmgw ctl``: the operator's commands against a running server's admin API.
+
+:func:`add_ctl_parser` adds ``ctl`` and its subcommands to the top-level parser. Every
+subcommand sets ``func``: a callable taking the parsed arguments and returning the exit code.
+A :class:`~llmgw.ctl.client.CtlError` anywhere becomes ``error: <message>`` on stderr and exit
+code 1; its message already says what to do about it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+from llmgw.ctl import render
+from llmgw.ctl.client import AdminClient, CtlError
+from llmgw.ctl.context import context_path, resolve, save_context
+
+EXIT_ERROR = 1
+
+NO_TOKEN_MESSAGE = (
+    "no admin token: pass --token, set LLMGW_TOKEN, or run `llmgw ctl context set --server URL "
+    "--token-file FILE` (the server writes the token to admin-token in its data directory)"
+)
+
+CTL_DESCRIPTION = """\
+Talks to a running `llmgw server` through its admin API.
+
+The server and the admin token are looked up in this order, each on its own:
+  1. --server / --token
+  2. $LLMGW_SERVER / $LLMGW_TOKEN
+  3. the context file written by `llmgw ctl context set`
+     ($LLMGW_CONTEXT, default ~/.config/llmgw/context.json)
+The server defaults to http://127.0.0.1:7071. The token is in the file admin-token
+in the server's data directory (default ~/.local/share/llmgw/server/admin-token).
+"""
+
+CTL_EPILOG = """\
+examples:
+  llmgw ctl context set --server http://10.0.0.5:7071 --token-file admin-token
+  llmgw ctl nodes
+  llmgw ctl node show gpu-node-07
+  llmgw ctl node ping gpu-node-07
+  llmgw ctl --json nodes | jq '.nodes[].name'
+"""
+
+CONTEXT_SET_DESCRIPTION = """\
+Saves the server address and the admin token for later ctl commands, in the
+context file ($LLMGW_CONTEXT, default ~/.config/llmgw/context.json, mode 0600).
+
+The token is read from a file or from stdin, never from the command line, where
+other users could see it in the process list and it would land in shell history.
+"""
+
+CONTEXT_SET_EPILOG = """\
+examples:
+  llmgw ctl context set --server http://10.0.0.5:7071 --token-file ./admin-token
+  ssh head-node cat .local/share/llmgw/server/admin-token | \\
+      llmgw ctl context set --server http://head-node:7071 --token-stdin
+"""
+
+
+def add_ctl_parser(subparsers) -> None:
+    ctl = subparsers.add_parser(
+        "ctl",
+        help="operate a running server: nodes, contexts",
+        description=CTL_DESCRIPTION,
+        epilog=CTL_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ctl.add_argument("--server", metavar="URL", help="admin API address (default: see above)")
+    ctl.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="admin token; prefer $LLMGW_TOKEN or the context file, since other users can read argv",
+    )
+    ctl.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
+    commands = ctl.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
+
+    nodes = _add(commands, "nodes", "list the nodes and their GPUs", _nodes)
+    _add_json_flag(nodes)
+
+    node = commands.add_parser(
+        "node", help="one node: show, ping", description="Commands about a single node."
+    )
+    node_commands = node.add_subparsers(dest="node_command", metavar="COMMAND", required=True)
+    show = _add(node_commands, "show", "a node's details: GPUs, RDMA ports, state", _node_show)
+    show.add_argument("name", metavar="NAME", help="the node's name, as `llmgw ctl nodes` lists it")
+    _add_json_flag(show)
+    ping = _add(
+        node_commands,
+        "ping",
+        "check that the server can reach the node's agent and get an answer",
+        _node_ping,
+    )
+    ping.add_argument("name", metavar="NAME", help="the node's name, as `llmgw ctl nodes` lists it")
+    _add_json_flag(ping)
+
+    context = commands.add_parser(
+        "context",
+        help="save or show where ctl finds the server and the token",
+        description="Where ctl finds the server and the admin token.",
+    )
+    context_commands = context.add_subparsers(dest="context_command", metavar="COMMAND", required=True)
+    context_set = _add(context_commands, "set", "save the server and the admin token", _context_set)
+    context_set.description = CONTEXT_SET_DESCRIPTION
+    context_set.epilog = CONTEXT_SET_EPILOG
+    context_set.add_argument(
+        "--server", dest="set_server", metavar="URL", required=True, help="admin API address"
+    )
+    source = context_set.add_mutually_exclusive_group(required=True)
+    source.add_argument("--token-file", type=Path, metavar="FILE", help="read the admin token from FILE")
+    source.add_argument(
+        "--token-stdin", action="store_true", help="read the admin token from stdin (prompts on a terminal)"
+    )
+    context_show = _add(
+        context_commands,
+        "show",
+        "print the server and where the token comes from (never the token)",
+        _context_show,
+    )
+    _add_json_flag(context_show)
+
+
+def _add(commands, name: str, help_text: str, func: Callable[[argparse.Namespace], int]):
+    parser = commands.add_parser(
+        name,
+        help=help_text,
+        description=help_text[0].upper() + help_text[1:] + ".",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=_reporting_errors(func))
+    return parser
+
+
+def _add_json_flag(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's default would overwrite `ctl --json` given before the subcommand.
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the API's JSON instead of tables",
+    )
+
+
+def _reporting_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except CtlError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+
+    return run
+
+
+def _client(args: argparse.Namespace) -> AdminClient:
+    context = resolve(args.server, args.token)
+    if context.token is None:
+        raise CtlError(NO_TOKEN_MESSAGE)
+    return AdminClient(context.server, context.token)
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    answer = _client(args).get("/admin/v1/nodes")
+    if args.json:
+        render.print_json(answer)
+        return 0
+    console = render.make_console()
+    if not answer["nodes"]:
+        console.print("no nodes have registered yet: start `llmgw agent` on a node")
+        return 0
+    console.print(render.nodes_table(answer["nodes"], time.time()))
+    return 0
+
+
+def _node_show(args: argparse.Namespace) -> int:
+    node = _client(args).get(f"/admin/v1/nodes/{quote(args.name, safe='')}")
+    if args.json:
+        render.print_json(node)
+    else:
+        render.render_node(node, time.time(), render.make_console())
+    return 0
+
+
+def _node_ping(args: argparse.Namespace) -> int:
+    answer = _client(args).post(f"/admin/v1/nodes/{quote(args.name, safe='')}/ping")
+    if args.json:
+        render.print_json(answer)
+    elif answer["payload_ok"]:
+        print(f"{answer['node']}: answered in {answer['rtt_ms']:.1f} ms")
+    else:
+        print(f"{answer['node']}: answered in {answer['rtt_ms']:.1f} ms, but with the wrong payload")
+    # A wrong payload means the link mixes up replies: a bug worth a failing exit code.
+    return 0 if answer["payload_ok"] else EXIT_ERROR
+
+
+def _context_set(args: argparse.Namespace) -> int:
+    token = _read_token(args)
+    path = save_context(args.set_server, token)
+    print(f"saved to {path}; try `llmgw ctl nodes`")
+    return 0
+
+
+def _read_token(args: argparse.Namespace) -> str:
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text()
+        except OSError as e:
+            raise CtlError(f"cannot read the token file {args.token_file}: {e.strerror}") from None
+        where = str(args.token_file)
+    elif sys.stdin.isatty():
+        token = getpass.getpass("admin token: ")  # not echoed
+        where = "the terminal"
+    else:
+        token = sys.stdin.read()
+        where = "stdin"
+    token = token.strip()
+    if not token:
+        raise CtlError(f"no token in {where}")
+    return token
+
+
+def _context_show(args: argparse.Namespace) -> int:
+    context = resolve(args.server, args.token)
+    path = context_path()
+    if args.json:
+        render.print_json(
+            {
+                "server": context.server,
+                "server_source": context.server_source,
+                "token_source": context.source,
+                "context_file": str(path),
+            }
+        )
+        return 0
+    print(f"server:       {context.server} (from {context.server_source})")
+    if context.token is None:
+        print(f"token:        none; {NO_TOKEN_MESSAGE.removeprefix('no admin token: ')}")
+    else:
+        print(f"token:        from {context.source}")
+    print(f"context file: {path}" + ("" if path.exists() else " (none yet)"))
+    return 0

@@ -1,0 +1,106 @@
+"""How ctl shows the admin API's answers to people (``--json`` shows them to programs instead).
+
+Functions here take the API's JSON as it came, so what a person sees and what ``--json`` prints
+never drift apart. Colour is rich's decision: none when stdout is not a terminal or when
+``NO_COLOR`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from llmgw.agent.render import render_inventory
+from llmgw.wire.codec import converter
+from llmgw.wire.messages import Inventory
+
+MIB_PER_GIB = 1024
+
+STATE_STYLES = {"online": "green", "lost": "red"}
+
+
+def make_console() -> Console:
+    return Console(no_color=bool(os.environ.get("NO_COLOR")))
+
+
+def print_json(data: Any) -> None:
+    # Plain print, not rich: the output is for jq and scripts, byte for byte.
+    print(json.dumps(data, indent=2))
+
+
+def nodes_table(nodes: list[dict], now: float) -> Table:
+    """One row per node; ``now`` is wall-clock unix seconds, for the heartbeat's age."""
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "STATE", "GPUS", "FREE", "FABRIC", "HEARTBEAT", "VERSION"):
+        table.add_column(column, justify="right" if column == "FREE" else "left")
+    for node in nodes:
+        inventory = node["inventory"]
+        table.add_row(
+            Text(node["name"]),
+            state_text(node),
+            Text(gpu_summary(inventory.get("gpus", []))),
+            Text(free_memory(inventory)),
+            Text(inventory.get("fabric") or "-"),
+            Text(age(now - node["last_seen"])),
+            Text(node["agent_version"]),
+        )
+    return table
+
+
+def state_text(node: dict) -> Text:
+    state = node["state"]
+    text = Text(state, style=STATE_STYLES.get(state, ""))
+    if state == "online" and not node["connected"]:
+        # Within the liveness window after a disconnect: the agent may be restarting.
+        text.append(" (no link)", style="yellow")
+    return text
+
+
+def gpu_summary(gpus: list[dict]) -> str:
+    """``2× l40s-45g``, one entry per class in the order the node lists them; ``cpu`` for none."""
+    if not gpus:
+        return "cpu"
+    counts = Counter(gpu["gpu_class"] for gpu in gpus)
+    unhealthy = Counter(gpu["gpu_class"] for gpu in gpus if gpu.get("problems"))
+    parts = []
+    for gpu_class, count in counts.items():
+        part = f"{count}× {gpu_class}"
+        if unhealthy[gpu_class]:
+            part += f" ({unhealthy[gpu_class]} unhealthy)"
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def free_memory(inventory: dict) -> str:
+    """Free GPU memory summed over the node's GPUs; free host memory for a CPU-only node."""
+    gpus = inventory.get("gpus", [])
+    if gpus:
+        free_mib = sum(max(0, gpu["memory_total_mib"] - gpu["memory_used_mib"]) for gpu in gpus)
+    else:
+        free_mib = inventory["memory_available_mib"]
+    return f"{free_mib / MIB_PER_GIB:.1f} GiB"
+
+
+def age(seconds: float) -> str:
+    seconds = max(0, int(seconds))  # a server clock slightly ahead of ours is not the future
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
+def render_node(node: dict, now: float, console: Console) -> None:
+    """A node's header line, then its inventory's GPU and RDMA tables."""
+    header = Text()
+    header.append(node["name"], style="bold")
+    header.append("  ")
+    header.append_text(state_text(node))
+    header.append(f"  heartbeat {age(now - node['last_seen'])}  agent {node['agent_version']}")
+    console.print(header)
+    render_inventory(converter.structure(node["inventory"], Inventory), console)

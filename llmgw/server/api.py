@@ -1,0 +1,162 @@
+"""The admin API: what ``llmgw ctl`` talks to, served by quart-trio on hypercorn.
+
+Request rates here are an operator's, so quart's routing is worth its cost (the data plane has
+its own h11 listener). Everything under ``/admin/`` needs the admin token; ``/healthz`` does not,
+so a supervisor or a packaging test can see that a binary started without holding secrets.
+Every error is JSON of one shape, ``{"error": {"message": ..., "type": ...}}``, so that ctl can
+show the server's own words to the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from urllib.parse import urlsplit
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from quart import Response, jsonify, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from llmgw import __version__
+from llmgw.server import tokens
+from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
+from llmgw.wire.codec import converter
+from llmgw.wire.h2link import LinkClosed
+from llmgw.wire.messages import Ping, Pong
+
+log = logging.getLogger(__name__)
+# hypercorn's errors, under our name. Its info lines only announce the bind, which run.py's
+# "llmgw server up" line already says with the port resolved.
+_hypercorn_log = log.getChild("hypercorn")
+_hypercorn_log.setLevel(logging.WARNING)
+
+# Checked on the whole /admin/ tree, not just /admin/v1/, so that an unauthenticated client
+# cannot tell which admin paths exist.
+ADMIN_PREFIX = "/admin/"
+
+# A healthy agent answers in milliseconds; after 5 s the link or the agent is stuck, and an
+# operator waiting at a prompt should hear so rather than hang.
+PING_TIMEOUT = 5.0
+
+ROUTING_MESSAGES = {
+    404: "no such endpoint (is ctl newer than this server?)",
+    405: "this endpoint does not take that method",
+}
+
+UNAUTHORIZED_MESSAGE = (
+    "missing or wrong admin token: pass --token, set LLMGW_TOKEN, or run `llmgw ctl context set` "
+    "(the token is in the server's admin token file)"
+)
+
+
+async def serve_admin(
+    registry: NodeRegistry,
+    admin_digest: bytes,
+    host: str,
+    port: int,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
+    ``port`` is 0)."""
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None  # a line per request tells an operator nothing
+    # Given a name instead of a Logger, hypercorn replaces that logger's handlers with its own
+    # stderr handler; handing it ours keeps its messages in llmgw's logging setup.
+    config.errorlog = _hypercorn_log
+    async with trio.open_nursery() as nursery:
+        # hypercorn reports its binds as URLs ("http://127.0.0.1:40313", "http://[::1]:40313")
+        # made from getsockname(), so the port in them is the one actually bound.
+        binds = await nursery.start(serve, make_app(registry, admin_digest), config)
+        task_status.started(urlsplit(binds[0]).port)
+
+
+def make_app(registry: NodeRegistry, admin_digest: bytes) -> QuartTrio:
+    app = QuartTrio(__name__)
+
+    @app.before_request
+    async def require_admin_token() -> Response | None:
+        if not request.path.startswith(ADMIN_PREFIX):
+            return None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token and tokens.matches(token, admin_digest):
+            return None
+        return _error(401, "unauthorized", UNAUTHORIZED_MESSAGE)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return jsonify(status="ok", version=__version__)
+
+    @app.get("/admin/v1/nodes")
+    async def list_nodes() -> Response:
+        return jsonify(nodes=[node_json(node) for node in registry.list()])
+
+    @app.get("/admin/v1/nodes/<name>")
+    async def show_node(name: str) -> Response:
+        node = registry.get(name)
+        if node is None:
+            return _node_not_found(name)
+        return jsonify(node_json(node))
+
+    @app.post("/admin/v1/nodes/<name>/ping")
+    async def ping_node(name: str) -> Response:
+        if registry.get(name) is None:
+            return _node_not_found(name)
+        payload = secrets.token_urlsafe(16)
+        started = trio.current_time()
+        try:
+            with trio.fail_after(PING_TIMEOUT):
+                # The session assigns the command id; 0 is a placeholder.
+                reply = await registry.call(name, Ping(id=0, payload=payload))
+        except NodeUnavailable:
+            return _error(409, "node_unavailable", f'node "{name}" is not connected; is its agent running?')
+        except LinkClosed as e:
+            return _error(409, "node_unavailable", f'the link to node "{name}" closed during the ping: {e}')
+        except trio.TooSlowError:
+            return _error(504, "timeout", f'node "{name}" did not answer a ping within {PING_TIMEOUT:g} s')
+        rtt_ms = (trio.current_time() - started) * 1000
+        payload_ok = isinstance(reply, Pong) and reply.payload == payload
+        return jsonify(node=name, rtt_ms=round(rtt_ms, 3), payload_ok=payload_ok)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException) -> Response:
+        # Routing's 404 and 405; werkzeug's descriptions are written for browsers.
+        code = e.code or 500
+        kind = (e.name or "error").lower().replace(" ", "_")
+        what = ROUTING_MESSAGES.get(code, e.description)
+        return _error(code, kind, f"{request.method} {request.path}: {what}")
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(e: Exception) -> Response:
+        log.exception("admin API: %s %s failed", request.method, request.path)
+        return _error(500, "internal", f"internal error ({type(e).__name__}); the server log has details")
+
+    return app
+
+
+def node_json(node: Node) -> dict:
+    return {
+        "name": node.name,
+        "state": node.state.value,
+        "connected": node.connected,
+        "agent_version": node.agent_version,
+        "first_seen": node.first_seen,
+        "last_seen": node.last_seen,
+        "state_since": node.state_since,
+        "inventory": converter.unstructure(node.inventory),
+    }
+
+
+def _node_not_found(name: str) -> Response:
+    return _error(404, "not_found", f'node "{name}" not found')
+
+
+def _error(status: int, kind: str, message: str) -> Response:
+    response = jsonify(error={"message": message, "type": kind})
+    response.status_code = status
+    return response

@@ -1,0 +1,212 @@
+"""The server's end of the agent link: an h2c (or TLS) listener and one session per agent.
+
+A connection goes through three steps, each bounded by the handshake timeout: the HTTP/2 request
+(path and join token checked), the agent's Register, then the session proper, which lasts until
+either side goes quiet for longer than the liveness window or closes. Every failure ends only the
+connection it happened on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import ssl
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from llmgw import __version__
+from llmgw.core.liveness import Liveness
+from llmgw.server import tokens
+from llmgw.server.nodes import NodeRegistry
+from llmgw.wire.h2link import LINK_PATH, H2Link, LinkClosed
+from llmgw.wire.messages import Goodbye, Heartbeat, Message, Register, Registered
+
+log = logging.getLogger(__name__)
+
+# How long a closing session tries to deliver its Goodbye before dropping the connection.
+GOODBYE_GRACE = 1.0
+NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+
+
+@attrs.define
+class _Pending:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    reply: Message | None = None
+
+
+class AgentSession:
+    """One registered agent's link, as the rest of the server sees it."""
+
+    def __init__(self, link: H2Link, node: str, liveness: Liveness) -> None:
+        self.link = link
+        self.node = node
+        self._liveness = liveness
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._cancel = trio.CancelScope()
+        self._close_reason: str | None = None
+
+    async def call(self, command: Message) -> Message:
+        """Sends a command with a fresh id and waits for the reply that names it. Callers bound
+        the wait with ``trio.fail_after``; a link that ends first raises LinkClosed."""
+        command = attrs.evolve(command, id=next(self._ids))
+        pending = self._pending[command.id] = _Pending()
+        try:
+            await self.link.send(command)
+            await pending.done.wait()
+        finally:
+            del self._pending[command.id]
+        if pending.reply is None:
+            raise LinkClosed(self.link.closed_reason or "the link ended")
+        return pending.reply
+
+    def close(self, reason: str) -> None:
+        """Ends the session without waiting: its own task says goodbye and closes the link."""
+        self._close_reason = reason
+        self._cancel.cancel()
+
+    async def run(self, on_message: Callable[[Message], None]) -> str:
+        """Runs until the link ends; returns why."""
+        reason = "closed by the server"
+        with self._cancel:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_heartbeats)
+                nursery.start_soon(self.link.close_when_silent, self._liveness.window)
+                reason = await self._receive(on_message)
+                nursery.cancel_scope.cancel()
+        for pending in self._pending.values():
+            pending.done.set()  # callers see LinkClosed
+        if self._close_reason is not None:
+            reason = self._close_reason
+            with trio.CancelScope(shield=True), trio.move_on_after(GOODBYE_GRACE):
+                try:
+                    await self.link.send(Goodbye(reason=reason))
+                except LinkClosed:
+                    pass
+        return reason
+
+    async def _receive(self, on_message: Callable[[Message], None]) -> str:
+        try:
+            while True:
+                message = await self.link.receive()
+                if isinstance(message, Goodbye):
+                    return f"the agent said goodbye: {message.reason}"
+                reply_to = getattr(message, "reply_to", None)
+                if reply_to is not None and reply_to in self._pending:
+                    pending = self._pending[reply_to]
+                    pending.reply = message
+                    pending.done.set()
+                on_message(message)
+        except LinkClosed as exc:
+            return str(exc)
+
+    async def _send_heartbeats(self) -> None:
+        try:
+            for seq in itertools.count():
+                await self.link.send(Heartbeat(seq=seq))
+                await trio.sleep(self._liveness.interval)
+        except LinkClosed:
+            return  # the receive side reports why
+
+
+class LinkListener:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        join_token_digest: bytes,
+        *,
+        handshake_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._registry = registry
+        self._join_digest = join_token_digest
+        self._handshake_timeout = handshake_timeout
+        self._ssl_context = ssl_context
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        if self._ssl_context is not None:
+            listeners = [trio.SSLListener(lst, self._ssl_context, https_compatible=True) for lst in listeners]
+        await trio.serve_listeners(self._handle, listeners, task_status=task_status)
+
+    async def _handle(self, transport: trio.abc.Stream) -> None:
+        peer = _peer_name(transport)
+        link = H2Link(transport, client_side=False, peer=peer)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(link.run)
+                await self._converse(link, peer)
+                nursery.cancel_scope.cancel()
+        except* LinkClosed as group:
+            log.debug("link from %s ended: %s", peer, group.exceptions[0])
+        except* Exception:
+            # Isolation: a bug on one connection must not take the listener (and every other
+            # agent's link) down with it.
+            log.exception("link from %s failed", peer)
+        finally:
+            with trio.CancelScope(shield=True):
+                await link.aclose("done")
+
+    async def _converse(self, link: H2Link, peer: str) -> None:
+        register = await self._handshake(link, peer)
+        if register is None:
+            return
+        if not NODE_NAME.match(register.node):
+            log.warning("refused agent at %s: invalid node name %r", peer, register.node)
+            await link.send(Goodbye(reason=f"invalid node name {register.node!r}"))
+            return
+        session = AgentSession(link, register.node, self._registry.liveness)
+        await self._registry.attach(session, register)
+        await link.send(
+            Registered(
+                node=register.node,
+                server_version=__version__,
+                heartbeat_interval=self._registry.liveness.interval,
+                missed_heartbeats=self._registry.liveness.missed,
+            )
+        )
+        try:
+            reason = await session.run(lambda message: self._on_message(register.node, message))
+        finally:
+            self._registry.detach(session, link.closed_reason or "ended")
+        log.debug("session of node %s ended: %s", register.node, reason)
+
+    async def _handshake(self, link: H2Link, peer: str) -> Register | None:
+        with trio.move_on_after(self._handshake_timeout):
+            headers = await link.accept_stream()
+            if headers.get(":path") != LINK_PATH or headers.get(":method") != "POST":
+                await link.respond(404, f"this port speaks only the llmgw agent link (POST {LINK_PATH})")
+                return None
+            token = headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not tokens.matches(token, self._join_digest):
+                log.warning(
+                    "refused agent at %s (node %s): wrong join token", peer, headers.get("x-llmgw-node", "?")
+                )
+                await link.respond(
+                    401, "join token rejected: the agent's join_token_file does not match the server's"
+                )
+                return None
+            await link.respond(200)
+            first = await link.receive()
+            if isinstance(first, Register):
+                return first
+            log.warning("dropped link from %s: expected Register, got %s", peer, type(first).__name__)
+            return None
+        log.info("dropped link from %s: not registered within %.1fs", peer, self._handshake_timeout)
+        return None
+
+    def _on_message(self, node: str, message: Message) -> None:
+        # Any message is a sign of life; a heartbeat may bring a fresher inventory.
+        self._registry.heard(node, message.inventory if isinstance(message, Heartbeat) else None)
+
+
+def _peer_name(transport: trio.abc.Stream) -> str:
+    stream = transport.transport_stream if isinstance(transport, trio.SSLStream) else transport
+    try:
+        host, port, *_ = stream.socket.getpeername()
+        return f"{host}:{port}"
+    except (AttributeError, OSError):
+        return "?"

@@ -1,0 +1,214 @@
+"""The server's view of the fleet: which nodes exist, whether they are online, and their links.
+
+Liveness is decided by :mod:`llmgw.core.liveness` on the trio clock; wall-clock times are kept only
+for display and for the store. The store holds what must outlive a server restart (that a node
+exists, its last inventory and state), written behind: a change marks the node dirty and one
+task saves every dirty node in one transaction. Nothing on the link waits for the disk — with
+synchronous=FULL a fleet reconnecting at once would otherwise queue a fsync per node in front of
+its Registered and miss its own liveness window. Heartbeats stay in memory: at 1,000 agents a
+write per heartbeat would be 200 writes/s for nothing a restart needs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+import trio
+
+from llmgw.core.liveness import Liveness, NodeState, node_state
+from llmgw.server.store import AsyncStore, NodeRow, Store
+from llmgw.wire.codec import converter
+from llmgw.wire.messages import Inventory, Register
+
+if TYPE_CHECKING:
+    from llmgw.wire.messages import Message
+
+log = logging.getLogger(__name__)
+
+
+class Session(Protocol):
+    """What the registry needs from a node's live link (see :mod:`llmgw.server.link`)."""
+
+    node: str
+
+    async def call(self, command: Message) -> Message: ...
+
+    def close(self, reason: str) -> None: ...
+
+
+@attrs.define
+class Node:
+    name: str
+    agent_version: str
+    inventory: Inventory
+    state: NodeState
+    first_seen: float  # wall clock, for display
+    last_seen: float  # wall clock, for display
+    state_since: float  # wall clock, for display
+    last_heard: float  # trio clock, for decisions
+    session: Session | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.session is not None
+
+
+class NodeUnavailable(Exception):
+    """A command was addressed to a node that has no live link."""
+
+
+class NodeRegistry:
+    def __init__(self, store: AsyncStore, liveness: Liveness) -> None:
+        self._store = store
+        self.liveness = liveness
+        self._nodes: dict[str, Node] = {}
+        self._dirty: set[str] = set()
+        self._dirty_event = trio.Event()
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def list(self) -> list[Node]:
+        return [self._nodes[name] for name in sorted(self._nodes)]
+
+    def get(self, name: str) -> Node | None:
+        return self._nodes.get(name)
+
+    # --- the link's events ----------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Nodes known from before a restart. Each gets a full liveness window, counted from now,
+        to reconnect before it is declared lost."""
+        now = trio.current_time()
+        for row in await self._store.read(Store.list_nodes):
+            inventory = converter.structure(json.loads(row.inventory), Inventory)
+            self._nodes[row.name] = Node(
+                name=row.name,
+                agent_version=row.agent_version,
+                inventory=inventory,
+                state=NodeState(row.state),
+                first_seen=row.first_seen,
+                last_seen=row.last_seen,
+                state_since=row.state_since,
+                last_heard=now,
+            )
+
+    async def attach(self, session: Session, register: Register) -> None:
+        """A node registered on a new link; a link it still had is closed (an agent that restarted
+        or lost its connection without the server noticing)."""
+        now, wall = trio.current_time(), time.time()
+        node = self._nodes.get(register.node)
+        previous_session = node.session if node else None
+        if node is None:
+            node = self._nodes[register.node] = Node(
+                name=register.node,
+                agent_version=register.agent_version,
+                inventory=register.inventory,
+                state=NodeState.ONLINE,
+                first_seen=wall,
+                last_seen=wall,
+                state_since=wall,
+                last_heard=now,
+            )
+            log.info("node %s registered (agent %s)", node.name, register.agent_version)
+        else:
+            if node.state is not NodeState.ONLINE:
+                log.info("node %s is back online", node.name)
+                node.state, node.state_since = NodeState.ONLINE, wall
+            node.agent_version, node.inventory = register.agent_version, register.inventory
+            node.last_heard, node.last_seen = now, wall
+        node.session = session
+        if previous_session is not None:
+            log.info("node %s: a new link replaces the old one", node.name)
+            previous_session.close("replaced by a newer link from the same node")
+        self._mark_dirty(node.name)
+
+    def heard(self, name: str, inventory: Inventory | None = None) -> None:
+        node = self._nodes.get(name)
+        if node is None:
+            return
+        node.last_heard, node.last_seen = trio.current_time(), time.time()
+        if inventory is not None:
+            node.inventory = inventory
+
+    def detach(self, session: Session, reason: str) -> None:
+        node = self._nodes.get(session.node)
+        if node is None or node.session is not session:
+            return  # already replaced by a newer link
+        node.session = None
+        log.info("node %s disconnected: %s", node.name, reason)
+        self._mark_dirty(node.name)
+
+    # --- liveness -------------------------------------------------------------------------------
+
+    async def sweep(self) -> None:
+        now, wall = trio.current_time(), time.time()
+        for node in list(self._nodes.values()):
+            state = node_state(self.liveness, last_heard=node.last_heard, now=now)
+            if state is node.state:
+                continue
+            node.state, node.state_since = state, wall
+            log.warning("node %s is %s: nothing heard for %.1fs", node.name, state, now - node.last_heard)
+            # A connected node that went silent has its link closed by the link's own watchdog,
+            # which applies the same rule.
+            self._mark_dirty(node.name)
+
+    async def run(self) -> None:
+        """The registry's own work: marking silent nodes lost, and saving what changed."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sweep_forever)
+            nursery.start_soon(self._persist_forever)
+
+    async def _sweep_forever(self) -> None:
+        # Half the interval: a node is marked lost at most half a heartbeat after its deadline.
+        while True:
+            await trio.sleep(self.liveness.interval / 2)
+            await self.sweep()
+
+    # --- persistence ----------------------------------------------------------------------------
+
+    def _mark_dirty(self, name: str) -> None:
+        self._dirty.add(name)
+        self._dirty_event.set()
+
+    async def _persist_forever(self) -> None:
+        try:
+            while True:
+                await self._dirty_event.wait()
+                await self.flush()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.flush()  # a graceful stop loses nothing
+
+    async def flush(self) -> None:
+        """Saves every node changed since the last flush, in one transaction."""
+        self._dirty_event = trio.Event()
+        names, self._dirty = self._dirty, set()
+        rows = [self._row(self._nodes[name]) for name in sorted(names) if name in self._nodes]
+        if rows:
+            await self._store.write(Store.save_nodes, rows)
+
+    @staticmethod
+    def _row(node: Node) -> NodeRow:
+        inventory_json = json.dumps(converter.unstructure(node.inventory))
+        return NodeRow(
+            node.name,
+            node.agent_version,
+            inventory_json,
+            node.state.value,
+            node.first_seen,
+            node.last_seen,
+            node.state_since,
+        )
+
+    # --- commands -------------------------------------------------------------------------------
+
+    async def call(self, name: str, command: Message) -> Message:
+        """Sends a command to a node's agent and returns its reply (bound it with fail_after)."""
+        node = self._nodes.get(name)
+        if node is None or node.session is None:
+            raise NodeUnavailable(f"node {name} is not connected")
+        return await node.session.call(command)

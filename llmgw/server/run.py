@@ -1,0 +1,111 @@
+"""`llmgw server`: one nursery holding the store, the agent link listener and the admin API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from llmgw.config import ServerConfig
+from llmgw.core.liveness import Liveness
+from llmgw.server import tokens
+from llmgw.server.api import serve_admin
+from llmgw.server.link import LinkListener
+from llmgw.server.nodes import NodeRegistry
+from llmgw.server.store import AsyncStore, Store
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS_FILE = "endpoints.json"
+
+
+@attrs.frozen
+class Endpoints:
+    """Where a running server listens (ports resolved, so port 0 in the config is usable)."""
+
+    link: str
+    admin: str
+
+
+async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    store = await AsyncStore.open(config.data_dir)
+    try:
+        join_digest = await _token_digest(store, "join_token_sha256", config.join_token_path)
+        admin_digest = await _token_digest(store, "admin_token_sha256", config.admin_token_path)
+        registry = NodeRegistry(
+            store, Liveness(interval=config.link.heartbeat_interval, missed=config.link.missed_heartbeats)
+        )
+        await registry.load()
+        listener = LinkListener(
+            registry,
+            join_digest,
+            handshake_timeout=config.link.handshake_timeout,
+            ssl_context=_server_ssl_context(config),
+        )
+        async with trio.open_nursery() as nursery:
+            link_listeners = await nursery.start(
+                listener.serve, config.link.listen.host, config.link.listen.port
+            )
+            admin_port = await nursery.start(
+                serve_admin, registry, admin_digest, config.admin.listen.host, config.admin.listen.port
+            )
+            nursery.start_soon(registry.run)
+            endpoints = Endpoints(
+                link=_address(config.link.listen.host, link_listeners[0]),
+                admin=_address(config.admin.listen.host, admin_port),
+            )
+            _write_endpoints(config.data_dir / ENDPOINTS_FILE, endpoints)
+            log.info(
+                "llmgw server up: agent link on %s%s, admin API on http://%s (data in %s)",
+                endpoints.link,
+                " (TLS)" if config.link.tls else "",
+                endpoints.admin,
+                config.data_dir,
+            )
+            task_status.started(endpoints)
+    finally:
+        await store.aclose()
+
+
+async def _token_digest(store: AsyncStore, secret_name: str, path: Path) -> bytes:
+    """Makes the token file on first start and records its digest; the file is the source of
+    truth, so an operator rotates a token by replacing the file and restarting."""
+    token = await trio.to_thread.run_sync(tokens.ensure_token_file, path)
+    digest = tokens.digest(token)
+    await store.write(Store.put_secret, secret_name, digest, time.time())
+    return digest
+
+
+def _server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    tls = config.link.tls
+    if tls is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def _address(host: str, listener_or_port) -> str:
+    port = listener_or_port if isinstance(listener_or_port, int) else _listener_port(listener_or_port)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listener_port(listener) -> int:
+    inner = listener.transport_listener if isinstance(listener, trio.SSLListener) else listener
+    return inner.socket.getsockname()[1]
+
+
+def _write_endpoints(path: Path, endpoints: Endpoints) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(attrs.asdict(endpoints), f)
+    os.replace(tmp, path)

@@ -1,0 +1,266 @@
+"""The server's embedded store: SQLite through apsw, at ``<data_dir>/llmgw.db``.
+
+This is the only module that imports apsw. :class:`Store` is synchronous and owns one connection;
+:class:`AsyncStore` is how trio code reaches it: one writer connection and one read-only
+connection, each used by at most one worker thread at a time.
+
+The schema is a numbered list of migrations in code; the database records how far it has come in
+``PRAGMA user_version``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar, TypeVarTuple
+
+import apsw
+import attrs
+import trio
+
+DB_FILENAME = "llmgw.db"
+
+# Waits for a lock held by another connection (ours, or an operator's sqlite3 shell) instead of
+# failing at once; our transactions are a few statements long, so 5 s means something is stuck.
+BUSY_TIMEOUT_MS = 5_000
+
+# (version, SQL), applied in order, each in its own transaction. Never edit a released entry: add
+# a new one. Tables are STRICT so a wrong Python type fails at the write instead of being stored.
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (
+        1,
+        """
+        CREATE TABLE nodes (
+            name TEXT PRIMARY KEY,
+            agent_version TEXT NOT NULL,
+            inventory TEXT NOT NULL,  -- JSON, as the agent reported it
+            state TEXT NOT NULL,
+            first_seen REAL NOT NULL,  -- unix wall-clock seconds, like every time below
+            last_seen REAL NOT NULL,
+            state_since REAL NOT NULL
+        ) STRICT;
+        CREATE TABLE secrets (
+            name TEXT PRIMARY KEY,
+            value BLOB NOT NULL,
+            created REAL NOT NULL
+        ) STRICT;
+        """,
+    ),
+)
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+class StoreError(Exception):
+    """The store cannot be opened or used; the message names the database file."""
+
+
+@attrs.frozen
+class NodeRow:
+    name: str
+    agent_version: str
+    inventory: str  # JSON text; decoding it is the caller's business
+    state: str
+    first_seen: float
+    last_seen: float
+    state_since: float
+
+
+_NODE_COLUMNS = "name, agent_version, inventory, state, first_seen, last_seen, state_since"
+
+
+class Store:
+    """One apsw connection to the database. Not thread-safe: use it from one thread at a time."""
+
+    def __init__(self, conn: apsw.Connection, path: Path) -> None:
+        self._conn = conn
+        self.path = path
+
+    @classmethod
+    def open(cls, data_dir: Path) -> Store:
+        """Open the database for writing, creating it and applying migrations as needed."""
+        path = data_dir / DB_FILENAME
+        _prepare_files(data_dir, path)
+        conn = _connect(path, apsw.SQLITE_OPEN_READWRITE)
+        try:
+            # A committed write must survive kill -9 and power loss. WAL with synchronous=NORMAL
+            # already survives a process crash; FULL also fsyncs the WAL at every commit so it
+            # survives power loss, and our write rate is low enough not to notice the cost.
+            conn.pragma("synchronous", "FULL")
+            conn.pragma("foreign_keys", True)
+            # IMMEDIATE takes the write lock at BEGIN, so a read-then-write transaction
+            # (ensure_secret, a migration) cannot fail halfway with SQLITE_BUSY.
+            conn.transaction_mode = "IMMEDIATE"
+            mode = conn.pragma("journal_mode", "wal")
+            if mode != "wal":
+                raise StoreError(f"{path}: SQLite refused WAL mode (journal_mode is {mode!r})")
+            _migrate(conn, path)
+        except BaseException as e:
+            conn.close()
+            if isinstance(e, apsw.Error):
+                raise StoreError(f"{path} is not a usable llmgw database: {e}") from e
+            raise
+        return cls(conn, path)
+
+    @classmethod
+    def open_reader(cls, data_dir: Path) -> Store:
+        """Open a read-only connection to a database that :meth:`open` has already prepared."""
+        path = data_dir / DB_FILENAME
+        return cls(_connect(path, apsw.SQLITE_OPEN_READONLY), path)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # --- nodes --------------------------------------------------------------------------------
+
+    def save_nodes(self, rows: Sequence[NodeRow]) -> None:
+        """Writes these nodes' rows as given, in one transaction. The server's registry is the
+        authority on a node's times and state; the store keeps what it was told, and one
+        transaction for a batch means one fsync for a whole fleet reconnecting at once."""
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT OR REPLACE INTO nodes ({_NODE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [attrs.astuple(row) for row in rows],
+            )
+
+    def list_nodes(self) -> list[NodeRow]:
+        rows = self._conn.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY name")
+        return [NodeRow(*row) for row in rows]
+
+    def get_node(self, name: str) -> NodeRow | None:
+        row = self._conn.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE name = ?", (name,)).fetchone()
+        return None if row is None else NodeRow(*row)
+
+    def delete_node(self, name: str) -> bool:
+        with self._conn:
+            self._conn.execute("DELETE FROM nodes WHERE name = ?", (name,))
+            return self._conn.changes() == 1
+
+    # --- secrets ------------------------------------------------------------------------------
+
+    def get_secret(self, name: str) -> bytes | None:
+        row = self._conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()
+        return None if row is None else row[0]
+
+    def put_secret(self, name: str, value: bytes, now: float) -> None:
+        with self._conn:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO secrets (name, value, created) VALUES (?, ?, ?)", (name, value, now)
+            )
+
+    def ensure_secret(self, name: str, make: Callable[[], bytes], now: float) -> bytes:
+        """Return the stored secret, first storing ``make()`` if there is none. Two callers racing
+        both get the value that was stored first."""
+        with self._conn:
+            stored = self.get_secret(name)
+            if stored is None:
+                stored = make()
+                self._conn.execute(
+                    "INSERT INTO secrets (name, value, created) VALUES (?, ?, ?)", (name, stored, now)
+                )
+            return stored
+
+
+def _prepare_files(data_dir: Path, path: Path) -> None:
+    """Create the data dir 0700 and the database file 0600 before SQLite touches them.
+
+    SQLite would create the file with 0644 less the umask; it creates -wal and -shm with the
+    database file's own mode, so getting the main file right covers all three. chmod rather than
+    umask because umask is process-wide and other threads may be creating files meanwhile.
+    """
+    try:
+        try:
+            data_dir.mkdir(parents=True, mode=0o700)
+            os.chmod(data_dir, 0o700)  # mkdir's mode is filtered through the umask
+        except FileExistsError:
+            pass  # an operator-made directory keeps the mode they gave it
+        # O_RDWR also refuses a directory standing where the file should be.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
+    except OSError as e:
+        raise StoreError(f"{path}: cannot prepare the database file: {e}") from e
+
+
+def _connect(path: Path, flags: int) -> apsw.Connection:
+    try:
+        conn = apsw.Connection(str(path), flags=flags)
+    except apsw.Error as e:
+        raise StoreError(f"{path}: cannot open the database: {e}") from e
+    conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+    return conn
+
+
+def _migrate(conn: apsw.Connection, path: Path) -> None:
+    found = conn.pragma("user_version")
+    if found > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} was written by a newer llmgw (schema version {found}; this llmgw knows up to "
+            f"{SCHEMA_VERSION}). Upgrade llmgw, or point data_dir at another directory."
+        )
+    for version, sql in MIGRATIONS:
+        with conn:
+            # Read again under the write lock: another process may have migrated meanwhile.
+            if conn.pragma("user_version") >= version:
+                continue
+            conn.execute(sql)
+            conn.pragma("user_version", version)
+
+
+class AsyncStore:
+    """Trio access to the store: one writer connection, one read-only connection beside it.
+
+    WAL lets the reader see the last committed state while a write is in progress. Each connection
+    has a CapacityLimiter(1), so only one worker thread uses it at a time. apsw errors leave here
+    as StoreError so the rest of the server never needs to know about apsw.
+    """
+
+    def __init__(self, writer: Store, reader: Store) -> None:
+        self._writer = writer
+        self._reader = reader
+        self._write_limiter = trio.CapacityLimiter(1)
+        self._read_limiter = trio.CapacityLimiter(1)
+
+    @classmethod
+    async def open(cls, data_dir: Path) -> AsyncStore:
+        writer = await trio.to_thread.run_sync(Store.open, data_dir)
+        try:
+            reader = await trio.to_thread.run_sync(Store.open_reader, data_dir)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(writer, reader)
+
+    async def write(self, fn: Callable[[Store, *Ts], T], *args: *Ts) -> T:
+        """Run ``fn(store, *args)`` on the writer connection.
+
+        Not abandoned on cancel (to_thread's default): a write that has started runs to its
+        commit or rollback, and the caller sees Cancelled only after that, so the connection is
+        never left mid-transaction and the limiter is released only when it is free again.
+        """
+        return await trio.to_thread.run_sync(
+            _translate_errors, fn, self._writer, *args, limiter=self._write_limiter
+        )
+
+    async def read(self, fn: Callable[[Store, *Ts], T], *args: *Ts) -> T:
+        """Run ``fn(store, *args)`` on the read-only connection; writes there fail."""
+        return await trio.to_thread.run_sync(
+            _translate_errors, fn, self._reader, *args, limiter=self._read_limiter
+        )
+
+    async def aclose(self) -> None:
+        # Shielded cleanup: wait for any running statement, then close. The reader closes first
+        # so the writer is the last connection and checkpoints the WAL into the database file.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._reader.close, limiter=self._read_limiter)
+            await trio.to_thread.run_sync(self._writer.close, limiter=self._write_limiter)
+
+
+def _translate_errors(fn: Callable[[Store, *Ts], T], store: Store, *args: *Ts) -> T:
+    try:
+        return fn(store, *args)
+    except apsw.Error as e:
+        raise StoreError(f"{store.path}: {e}") from e

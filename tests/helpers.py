@@ -1,0 +1,86 @@
+"""Shared test helpers: waiting for conditions with a deadline, and a small in-process fleet."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import trio
+
+from llmgw.agent.link import AgentLink
+from llmgw.core.liveness import Liveness
+from llmgw.server import tokens
+from llmgw.server.link import LinkListener
+from llmgw.server.nodes import NodeRegistry
+from llmgw.server.store import AsyncStore
+from llmgw.wire.messages import Inventory
+
+# Generous: the suite must pass on a loaded 2-core machine. A condition that holds returns at once.
+DEADLINE = 20.0
+
+
+async def wait_for(condition: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
+    """Polls ``condition`` until it holds; fails the test naming ``what`` after ``deadline`` s."""
+    with trio.move_on_after(deadline):
+        while not condition():  # noqa: ASYNC110 (conditions on plain attributes have no event)
+            await trio.sleep(0.02)
+        return
+    raise AssertionError(f"timed out after {deadline}s waiting for {what}")
+
+
+def fake_inventory(hostname: str = "test") -> Inventory:
+    return Inventory(hostname=hostname, cpu_count=2, memory_total_mib=4096, memory_available_mib=2048)
+
+
+@attrs.define
+class LinkServer:
+    registry: NodeRegistry
+    port: int
+    token: str
+    cancel: trio.CancelScope
+
+
+async def start_link_server(
+    nursery: trio.Nursery,
+    data_dir: Path,
+    *,
+    port: int = 0,
+    interval: float = 0.5,
+    missed: int = 4,
+    handshake_timeout: float = 2.0,
+    token: str = "join-secret",
+) -> LinkServer:
+    """A store, a registry and the link listener, in ``nursery``; cancel ``.cancel`` to stop it."""
+    store = await AsyncStore.open(data_dir)
+    registry = NodeRegistry(store, Liveness(interval=interval, missed=missed))
+    await registry.load()
+    listener = LinkListener(registry, tokens.digest(token), handshake_timeout=handshake_timeout)
+    cancel = trio.CancelScope()
+
+    async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with cancel:
+                async with trio.open_nursery() as inner:
+                    listeners = await inner.start(listener.serve, "127.0.0.1", port)
+                    inner.start_soon(registry.run)
+                    task_status.started(listeners[0].socket.getsockname()[1])
+        finally:
+            await store.aclose()
+
+    bound = await nursery.start(serve)
+    return LinkServer(registry=registry, port=bound, token=token, cancel=cancel)
+
+
+def make_agent(name: str, port: int, token: str, *, max_delay: float = 0.5) -> AgentLink:
+    return AgentLink(
+        node=name,
+        host="127.0.0.1",
+        port=port,
+        join_token=token,
+        discover=lambda _address: fake_inventory(name),
+        initial_delay=0.05,
+        max_delay=max_delay,
+        rng=random.Random(name),
+    )

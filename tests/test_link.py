@@ -1,0 +1,198 @@
+"""The agent link, in one process over real loopback TCP: registration, heartbeats, commands,
+liveness, reconnection, refusal and hostile input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+
+from llmgw.agent.link import JoinRefused
+from llmgw.core.liveness import NodeState
+from llmgw.wire.messages import Ping, Pong
+from tests.helpers import make_agent, start_link_server, wait_for
+
+
+def online(server, names) -> bool:
+    return all((n := server.registry.get(name)) is not None and n.connected for name in names)
+
+
+async def test_fifty_agents_register_heartbeat_and_answer_commands(tmp_path):
+    names = [f"node-{i:02d}" for i in range(50)]
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path, interval=0.3)
+        agents = [make_agent(name, server.port, server.token) for name in names]
+        for agent in agents:
+            nursery.start_soon(agent.run)
+        await wait_for(lambda: online(server, names), "50 agents to register")
+
+        # Heartbeats keep arriving after registration: last_heard moves on for every node.
+        registered_at = {name: server.registry.get(name).last_heard for name in names}
+        await wait_for(
+            lambda: all(server.registry.get(n).last_heard > registered_at[n] for n in names),
+            "a heartbeat from every agent",
+        )
+        # The server can call every agent and gets each one's own answer.
+        for name in names:
+            with trio.fail_after(10):
+                reply = await server.registry.call(name, Ping(id=0, payload=f"hi {name}"))
+            assert reply == Pong(reply_to=reply.reply_to, payload=f"hi {name}", node=name)
+        assert all(n.state is NodeState.ONLINE for n in server.registry.list())
+        assert all(agent.registrations == 1 for agent in agents)
+        nursery.cancel_scope.cancel()
+
+
+async def test_silent_node_is_marked_lost_and_back_online_when_it_returns(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path, interval=0.2, missed=3)
+        agent = make_agent("quiet", server.port, server.token)
+        agent_scope = trio.CancelScope()
+
+        async def run_agent():
+            with agent_scope:
+                await agent.run()
+
+        nursery.start_soon(run_agent)
+        await wait_for(lambda: online(server, ["quiet"]), "registration")
+
+        agent_scope.cancel()
+        lost_at_least_after = trio.current_time()
+        node = server.registry.get("quiet")
+        await wait_for(lambda: node.state is NodeState.LOST, "the node to be marked lost")
+        # Not before the window (interval × missed) has passed since it was last heard.
+        assert trio.current_time() - lost_at_least_after >= 0.0
+        assert trio.current_time() - node.last_heard > server.registry.liveness.window
+
+        again = make_agent("quiet", server.port, server.token)
+        nursery.start_soon(again.run)
+        await wait_for(lambda: node.state is NodeState.ONLINE and node.connected, "the node to come back")
+        nursery.cancel_scope.cancel()
+
+
+async def test_disconnect_alone_does_not_make_a_node_lost(tmp_path):
+    """An agent restart inside the window must not flap the node: its engines kept running."""
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path, interval=0.5, missed=20)
+        scope = trio.CancelScope()
+        first = make_agent("steady", server.port, server.token)
+
+        async def run_first():
+            with scope:
+                await first.run()
+
+        nursery.start_soon(run_first)
+        await wait_for(lambda: online(server, ["steady"]), "registration")
+        scope.cancel()
+        node = server.registry.get("steady")
+        await wait_for(lambda: not node.connected, "the server to see the disconnect")
+        assert node.state is NodeState.ONLINE
+        second = make_agent("steady", server.port, server.token)
+        nursery.start_soon(second.run)
+        await wait_for(lambda: node.connected, "the agent to reconnect")
+        assert node.state is NodeState.ONLINE
+        nursery.cancel_scope.cancel()
+
+
+async def test_agents_reconnect_by_themselves_after_a_server_restart(tmp_path):
+    names = [f"r{i}" for i in range(10)]
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path)
+        agents = [make_agent(name, server.port, server.token) for name in names]
+        for agent in agents:
+            nursery.start_soon(agent.run)
+        await wait_for(lambda: online(server, names), "registration")
+        # The agent counts a registration when Registered arrives, a moment after the server.
+        await wait_for(lambda: all(agent.registrations == 1 for agent in agents), "agents to see Registered")
+
+        server.cancel.cancel()
+        await wait_for(lambda: not any(a.connected for a in agents), "agents to notice the server is gone")
+
+        restarted = await start_link_server(nursery, tmp_path, port=server.port)
+        # The restarted server knows the nodes from its store before they come back.
+        assert {n.name for n in restarted.registry.list()} == set(names)
+        await wait_for(lambda: online(restarted, names), "every agent to reconnect")
+        # Each agent came back exactly once (the agent counts when it receives Registered).
+        await wait_for(lambda: all(agent.registrations >= 2 for agent in agents), "agents to see Registered")
+        assert [agent.registrations for agent in agents] == [2] * len(agents)
+        nursery.cancel_scope.cancel()
+
+
+async def test_wrong_join_token_is_refused_and_others_are_unaffected(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path)
+        good = make_agent("good", server.port, server.token)
+        nursery.start_soon(good.run)
+        await wait_for(lambda: online(server, ["good"]), "the good agent")
+
+        intruder = make_agent("intruder", server.port, "not-the-token")
+        with pytest.raises(JoinRefused, match="join token rejected"), trio.fail_after(10):
+            await intruder.run()
+        assert server.registry.get("intruder") is None
+        assert any(
+            "wrong join token" in r.getMessage() and "intruder" in r.getMessage() for r in caplog.records
+        )
+
+        with trio.fail_after(10):
+            reply = await server.registry.call("good", Ping(id=0, payload="still there?"))
+        assert reply.payload == "still there?"
+        assert good.registrations == 1
+        nursery.cancel_scope.cancel()
+
+
+async def _closed_by_server(stream: trio.SocketStream) -> bool:
+    """Reads until the server closes the connection (EOF or reset)."""
+    try:
+        while await stream.receive_some(4096):
+            pass
+    except trio.BrokenResourceError:
+        pass
+    return True
+
+
+async def test_garbage_and_half_open_connections_are_dropped_server_keeps_serving(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path, handshake_timeout=1.0)
+        good = make_agent("good", server.port, server.token)
+        nursery.start_soon(good.run)
+        await wait_for(lambda: online(server, ["good"]), "the good agent")
+
+        garbage = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await garbage.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 8)
+        half_open = await trio.open_tcp_stream("127.0.0.1", server.port)  # says nothing at all
+        # A valid HTTP/2 preface followed by junk frames: h2 itself must reject it.
+        bad_h2 = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await bad_h2.send_all(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x04\x99\x00\x00\x00\x00\x00junk"
+        )
+
+        with trio.fail_after(10):
+            assert await _closed_by_server(garbage)
+            assert await _closed_by_server(bad_h2)
+            assert await _closed_by_server(half_open)  # after the handshake timeout
+
+        with trio.fail_after(10):
+            reply = await server.registry.call("good", Ping(id=0, payload="ok"))
+        assert reply.payload == "ok"
+        # A newcomer still gets in.
+        late = make_agent("late", server.port, server.token)
+        nursery.start_soon(late.run)
+        await wait_for(lambda: online(server, ["late"]), "a new agent after the junk")
+        for stream in (garbage, half_open, bad_h2):
+            await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_new_link_from_the_same_node_replaces_the_old_one(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path)
+        first = make_agent("twin", server.port, server.token, max_delay=30)
+        nursery.start_soon(first.run)
+        await wait_for(lambda: online(server, ["twin"]), "the first link")
+        old_session = server.registry.get("twin").session
+        second = make_agent("twin", server.port, server.token, max_delay=30)
+        nursery.start_soon(second.run)
+        await wait_for(lambda: server.registry.get("twin").session is not old_session, "the second link")
+        assert old_session.link.closed
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,236 @@
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+import llmgw
+from llmgw.server.store import (
+    DB_FILENAME,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    AsyncStore,
+    NodeRow,
+    Store,
+    StoreError,
+)
+
+CHILD = Path(__file__).with_name("store_writer_child.py")
+PROJECT_ROOT = Path(llmgw.__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def store(data_dir: Path):
+    s = Store.open(data_dir)
+    yield s
+    s.close()
+
+
+def user_version(path: Path) -> int:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- opening and migrations -------------------------------------------------------------------
+
+
+def test_migrations_are_numbered_one_to_n():
+    assert [version for version, _ in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1))
+    assert SCHEMA_VERSION == len(MIGRATIONS)
+
+
+def test_fresh_dir_is_migrated_and_reopening_keeps_data(data_dir: Path):
+    store = Store.open(data_dir)
+    store.save_nodes([NodeRow("n1", "0.1.0", "{}", "online", 100.0, 100.0, 100.0)])
+    store.put_secret("join-token", b"hash", 100.0)
+    store.close()
+    assert user_version(data_dir / DB_FILENAME) == SCHEMA_VERSION
+
+    store = Store.open(data_dir)
+    try:
+        assert [n.name for n in store.list_nodes()] == ["n1"]
+        assert store.get_secret("join-token") == b"hash"
+    finally:
+        store.close()
+    assert user_version(data_dir / DB_FILENAME) == SCHEMA_VERSION
+
+
+def test_newer_database_is_refused(data_dir: Path):
+    Store.open(data_dir).close()
+    path = data_dir / DB_FILENAME
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+
+    with pytest.raises(StoreError) as info:
+        Store.open(data_dir)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"schema version {SCHEMA_VERSION + 5}" in message
+    assert f"knows up to {SCHEMA_VERSION}" in message
+    assert user_version(path) == SCHEMA_VERSION + 5  # left as it was
+
+
+def test_garbage_file_is_refused_naming_the_path(data_dir: Path):
+    data_dir.mkdir()
+    path = data_dir / DB_FILENAME
+    path.write_bytes(b"this is not a database, it is a shopping list\n" * 100)
+
+    with pytest.raises(StoreError, match=str(path)):
+        Store.open(data_dir)
+
+
+def test_files_are_private(data_dir: Path, store: Store):
+    store.save_nodes([NodeRow("n1", "0.1.0", "{}", "online", 1.0, 1.0, 1.0)])  # makes sure -wal exists
+    assert mode(data_dir) == 0o700
+    db = data_dir / DB_FILENAME
+    assert mode(db) == 0o600
+    sidecars = [db.with_name(db.name + suffix) for suffix in ("-wal", "-shm")]
+    assert all(p.exists() for p in sidecars)
+    for p in sidecars:
+        assert mode(p) == 0o600, p
+
+
+def test_existing_loose_db_file_is_tightened(data_dir: Path):
+    Store.open(data_dir).close()
+    db = data_dir / DB_FILENAME
+    db.chmod(0o644)
+    Store.open(data_dir).close()
+    assert mode(db) == 0o600
+
+
+# --- nodes ------------------------------------------------------------------------------------
+
+
+def test_save_nodes_writes_rows_as_given_and_replaces_them(store: Store):
+    first = NodeRow("n1", "0.1.0", '{"gpus": 1}', "online", 100.0, 150.0, 100.0)
+    store.save_nodes([first])
+    assert store.get_node("n1") == first
+
+    second = NodeRow("n1", "0.2.0", '{"gpus": 2}', "lost", 100.0, 200.0, 260.0)
+    other = NodeRow("n2", "0.2.0", "{}", "online", 5.0, 6.0, 7.0)
+    store.save_nodes([second, other])
+    assert store.list_nodes() == [second, other]
+
+
+def test_list_is_ordered_by_name_and_delete_reports_existence(store: Store):
+    for name in ("n3", "n1", "n2"):
+        store.save_nodes([NodeRow(name, "0.1.0", "{}", "online", 1.0, 1.0, 1.0)])
+    assert [n.name for n in store.list_nodes()] == ["n1", "n2", "n3"]
+
+    assert store.delete_node("n2")
+    assert not store.delete_node("n2")
+    assert [n.name for n in store.list_nodes()] == ["n1", "n3"]
+
+
+# --- secrets ----------------------------------------------------------------------------------
+
+
+def test_secrets_put_replaces_and_ensure_keeps_the_first(store: Store):
+    assert store.get_secret("admin-token") is None
+    store.put_secret("admin-token", b"one", 1.0)
+    store.put_secret("admin-token", b"two", 2.0)
+    assert store.get_secret("admin-token") == b"two"
+
+    assert store.ensure_secret("engine-key", lambda: b"first", 1.0) == b"first"
+    assert store.ensure_secret("engine-key", lambda: b"second", 2.0) == b"first"
+    assert store.get_secret("engine-key") == b"first"
+
+
+def test_ensure_secret_does_not_call_make_when_present(store: Store):
+    store.put_secret("engine-key", b"stored", 1.0)
+
+    def make() -> bytes:
+        raise AssertionError("make() called although a secret is stored")
+
+    assert store.ensure_secret("engine-key", make, 2.0) == b"stored"
+
+
+# --- trio access ------------------------------------------------------------------------------
+
+
+async def test_concurrent_writes_all_land_and_reads_see_them(data_dir: Path):
+    astore = await AsyncStore.open(data_dir)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(
+                    astore.write,
+                    Store.save_nodes,
+                    [NodeRow(f"n{i:02}", "0.1.0", "{}", "online", 1.0, 1.0, 1.0)],
+                )
+                nursery.start_soon(astore.read, Store.list_nodes)
+
+        nodes = await astore.read(Store.list_nodes)
+        assert [n.name for n in nodes] == [f"n{i:02}" for i in range(50)]
+
+        await astore.write(Store.save_nodes, [NodeRow("n07", "0.1.0", "{}", "lost", 1.0, 1.0, 2.0)])
+        assert (await astore.read(Store.get_node, "n07")).state == "lost"
+    finally:
+        await astore.aclose()
+
+
+async def test_reader_cannot_write_and_errors_are_store_errors(data_dir: Path):
+    astore = await AsyncStore.open(data_dir)
+    try:
+        with pytest.raises(StoreError, match=str(data_dir / DB_FILENAME)):
+            await astore.read(Store.put_secret, "x", b"y", 1.0)
+        assert await astore.read(Store.get_secret, "x") is None
+    finally:
+        await astore.aclose()
+
+
+# --- durability -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_committed_write_survives_kill_9(data_dir: Path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, str(CHILD), str(data_dir)], stdout=subprocess.PIPE, env=env, start_new_session=True
+    )
+    try:
+        output = b""
+        with trio.fail_after(30):
+            while b"committed\n" not in output:
+                chunk = await proc.stdout.receive_some()
+                if not chunk:
+                    raise AssertionError(f"child exited before committing (rc={await proc.wait()})")
+                output += chunk
+
+        os.kill(proc.pid, signal.SIGKILL)
+        with trio.fail_after(10):
+            assert await proc.wait() == -signal.SIGKILL
+    finally:
+        if proc.returncode is None:
+            with trio.CancelScope(shield=True):
+                os.kill(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        await proc.stdout.aclose()
+
+    # The row must come back from the WAL the killed process left behind, not from a checkpoint.
+    wal = data_dir / (DB_FILENAME + "-wal")
+    assert wal.stat().st_size > 0
+    store = Store.open(data_dir)
+    try:
+        node = store.get_node("node-killed")
+    finally:
+        store.close()
+    assert node is not None
+    assert node.state == "online"
