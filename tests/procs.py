@@ -1,0 +1,149 @@
+"""Real `llmgw` processes for tests: start them, wait for what they write, stop them by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+DEADLINE = 30.0
+
+
+def llmgw_command() -> list[str]:
+    return [sys.executable, "-m", "llmgw"]
+
+
+class Proc:
+    """A child in its own process group, with stdout+stderr going to a log file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        with open(log, "ab") as out:
+            self.popen = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def kill9(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.popen.wait(timeout=DEADLINE)
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL to the whole group if it does not exit in time."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                return self.popen.wait(timeout=DEADLINE)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                return self.popen.wait(timeout=DEADLINE)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.popen.wait(timeout=DEADLINE)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_until(condition, what: str, deadline: float = DEADLINE, proc: Proc | None = None):
+    """Polls until ``condition()`` returns something truthy, and returns it."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.popen.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.popen.returncode}:\n{proc.output()}")
+        time.sleep(0.05)
+    detail = f"\n--- log ---\n{proc.output()}" if proc is not None else ""
+    raise AssertionError(f"timed out after {deadline}s waiting for {what}{detail}")
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def read_endpoints(data_dir: Path) -> dict | None:
+    try:
+        return json.loads((data_dir / "endpoints.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class Server:
+    def __init__(self, tmp: Path, *, link_port: int = 0, admin_port: int = 0, **link: object) -> None:
+        self.tmp = tmp
+        self.data_dir = tmp / "server-data"
+        self.config = write_yaml(
+            tmp / "server.yaml",
+            {
+                "data_dir": str(self.data_dir),
+                "link": {"listen": f"127.0.0.1:{link_port}", **link},
+                "admin": {"listen": f"127.0.0.1:{admin_port}"},
+            },
+        )
+        self.proc: Proc | None = None
+        self.endpoints: dict = {}
+
+    def start(self) -> Server:
+        (self.data_dir / "endpoints.json").unlink(missing_ok=True)
+        self.proc = Proc([*llmgw_command(), "server", "--config", str(self.config)], self.tmp / "server.log")
+        self.endpoints = wait_until(lambda: read_endpoints(self.data_dir), "the server to listen", proc=self.proc)
+        return self
+
+    @property
+    def ctl_env(self) -> dict[str, str]:
+        return {
+            "LLMGW_SERVER": f"http://{self.endpoints['admin']}",
+            "LLMGW_TOKEN": (self.data_dir / "admin-token").read_text().strip(),
+            "LLMGW_CONTEXT": str(self.tmp / "no-context.json"),
+        }
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*llmgw_command(), "ctl", *args],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+            env={**os.environ, **self.ctl_env},
+        )
+
+    def nodes(self) -> dict[str, dict]:
+        result = self.ctl("nodes", "--json")
+        assert result.returncode == 0, result.stderr
+        return {node["name"]: node for node in json.loads(result.stdout)["nodes"]}
+
+
+def start_agent(tmp: Path, server: Server, name: str, **extra: object) -> Proc:
+    config = write_yaml(
+        tmp / f"agent-{name}.yaml",
+        {
+            "node_name": name,
+            "work_dir": str(tmp / f"agent-{name}"),
+            "server": {
+                "address": server.endpoints["link"],
+                "join_token_file": str(server.data_dir / "join-token"),
+            },
+            "reconnect": {"initial_delay": "50ms", "max_delay": "500ms"},
+            **extra,
+        },
+    )
+    return Proc([*llmgw_command(), "agent", "--config", str(config)], tmp / f"agent-{name}.log")
