@@ -106,7 +106,9 @@ class Server:
     def start(self) -> Server:
         (self.data_dir / "endpoints.json").unlink(missing_ok=True)
         self.proc = Proc([*llmgw_command(), "server", "--config", str(self.config)], self.tmp / "server.log")
-        self.endpoints = wait_until(lambda: read_endpoints(self.data_dir), "the server to listen", proc=self.proc)
+        self.endpoints = wait_until(
+            lambda: read_endpoints(self.data_dir), "the server to listen", proc=self.proc
+        )
         return self
 
     @property

@@ -53,6 +53,11 @@ class LineDecoder:
         self._buffer = bytearray()
         self._max = max_message_bytes
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of a message that has not finished arriving."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> list[Message]:
         return [message for message, _ in self.feed_sized(data) if message is not None]
 

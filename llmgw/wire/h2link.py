@@ -7,9 +7,9 @@ ways as DATA frames on that one stream, framed as newline-delimited JSON (:mod:`
 Three rules shape the code; each was a bug in the spike that preceded it:
 
 - The read loop never blocks on anything but the socket. It only feeds bytes to ``h2`` and parks
-  decoded messages in the inbox. Flow-control credit is returned when the *consumer* takes a
-  message from the inbox, so a slow consumer slows the peer down through HTTP/2 instead of
-  growing our memory, and the inbox is bounded by the stream window.
+  decoded messages in the inbox. Flow-control credit for a message is returned when the
+  *consumer* takes it from the inbox, so a slow consumer slows the peer down through HTTP/2
+  instead of growing our memory: the inbox is bounded by the stream window.
 - Only the writer task touches the socket's send side. Everything else mutates the ``h2`` state
   machine (synchronous, so atomic between checkpoints in trio) and kicks the writer. A peer that
   stops reading can then stall our writer, but never our reader.
@@ -89,6 +89,7 @@ class H2Link:
         self._response: tuple[int, dict[str, str]] | None = None  # client: the answer headers
         self._refusal_body = bytearray()
         self._decoder = LineDecoder()
+        self._partial_credited = 0  # credit already returned for the unfinished line
         self._inbox: collections.deque[tuple[Message, int]] = collections.deque()
         self._stream_ended = False
         self._closed_reason: str | None = None
@@ -124,7 +125,7 @@ class H2Link:
                     try:
                         await loop()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                        self._close(f"connection error: {exc}")
+                        self._close(f"connection error: {_describe(exc)}")
                     except (h2.exceptions.ProtocolError, FramingError) as exc:
                         self._close(f"protocol error: {exc}")
                     nursery.cancel_scope.cancel()
@@ -246,7 +247,7 @@ class H2Link:
             await self._changed.wait()
         message, size = self._inbox.popleft()
         # Return the credit now that the consumer has the message (see the module docstring).
-        if self._stream_id is not None and not self.closed:
+        if size and self._stream_id is not None and not self.closed:
             try:
                 self._conn.acknowledge_received_data(size, self._stream_id)
                 self._kick()
@@ -323,15 +324,31 @@ class H2Link:
             return
         if padding:
             self._conn.acknowledge_received_data(padding, stream_id)
-        messages = self._decoder.feed_sized(data)
-        credited_now = 0
-        for message, size in messages:
-            if message is None:  # blank lines: nothing for the consumer, credit them at once
-                credited_now += size
+        credit_now = 0
+        for message, size in self._decoder.feed_sized(data):
+            # Part of this line may have been credited while it was still arriving.
+            owed, self._partial_credited = size - self._partial_credited, 0
+            if message is None:  # a blank line: nothing for the consumer
+                credit_now += owed
             else:
-                self._inbox.append((message, size))
-        if credited_now:
-            self._conn.acknowledge_received_data(credited_now, stream_id)
+                self._inbox.append((message, owed))
+        # Bytes of a message still arriving are credited at once: a message larger than the
+        # window could never finish otherwise. The decoder bounds them (MAX_MESSAGE_BYTES).
+        credit_now += self._decoder.buffered - self._partial_credited
+        self._partial_credited = self._decoder.buffered
+        if credit_now:
+            self._conn.acknowledge_received_data(credit_now, stream_id)
+
+
+def _describe(exc: BaseException) -> str:
+    """The first non-empty message down an exception's causes: trio wraps a TLS failure such as
+    CERTIFICATE_VERIFY_FAILED in a BrokenResourceError whose own message is empty."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__name__
 
 
 def _refusal_message(status: int, body: bytes) -> str:

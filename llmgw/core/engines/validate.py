@@ -1,0 +1,213 @@
+"""Refusing a shard before launch, when it could only fail on the node or run wrong.
+
+An engine that cannot start says so minutes into loading a model, in its own words, on a node
+nobody is watching; some mistakes do not even fail (fp8 on a card without fp8 falls back to a slow
+path). Each reason is a sentence naming the values involved, for the operator to act on.
+"""
+
+from __future__ import annotations
+
+from llmgw.core.shard import ENGINES, FABRIC_KINDS, LAUNCHERS, ShardSpec
+
+_DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+# Hardware fp8 arrived with Ada (8.9) and Hopper (9.0); older cards emulate it slowly.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+# Flags that would replace the key llmgw gives each replica, locking the router out of it.
+KEY_FLAGS = ("--api-key", "--api-key-file")
+
+
+class InvalidShard(ValueError):
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = tuple(reasons)
+
+
+def validate(spec: ShardSpec) -> list[str]:
+    """Why ``spec`` cannot be launched; empty when it can."""
+    if spec.engine not in ENGINES:
+        return [f"engine {spec.engine!r} is not one of {', '.join(ENGINES)}"]
+    return [
+        *_topology(spec),
+        *_gpus(spec),
+        *_rendezvous(spec),
+        *_fabric(spec),
+        *_precision(spec),
+        *_engine_specific(spec),
+        *_flags_and_names(spec),
+    ]
+
+
+def _topology(spec: ShardSpec) -> list[str]:
+    reasons = []
+    for field, value in (
+        ("nodes", spec.nodes),
+        ("tensor parallelism", spec.tensor_parallel),
+        ("pipeline parallelism", spec.pipeline_parallel),
+    ):
+        if value < 1:
+            reasons.append(f"{field} must be at least 1, not {value}")
+    if spec.nodes >= 1 and not 0 <= spec.rank < spec.nodes:
+        reasons.append(f"rank {spec.rank} is outside 0..{spec.nodes - 1} for a {spec.nodes}-node shard")
+    if not 1 <= spec.port <= 65535:
+        reasons.append(f"port {spec.port} is not a TCP port")
+    for field, value in (("ctx_size", spec.ctx_size), ("parallel", spec.parallel)):
+        if value is not None and value < 1:
+            reasons.append(f"{field} must be at least 1 when set, not {value}")
+    return reasons
+
+
+def _gpus(spec: ShardSpec) -> list[str]:
+    tp, pp = spec.tensor_parallel, spec.pipeline_parallel
+    if not spec.gpus:
+        if spec.engine != "llamacpp":
+            return [
+                f"{_DISPLAY_NAMES[spec.engine]} needs GPUs and this shard has none (only llama.cpp runs on the CPU)"
+            ]
+        if (tp, pp) != (1, 1):
+            return [f"a CPU shard runs with tensor parallelism 1 × pipeline 1, not {tp} × {pp}"]
+        return []
+    reasons = []
+    if spec.nodes * len(spec.gpus) != tp * pp:
+        reasons.append(
+            f"tensor parallelism {tp} × pipeline {pp} needs {_count(tp * pp, 'GPU')}, "
+            f"this shard spans {_count(spec.nodes, 'node')} × {_count(len(spec.gpus), 'GPU')}"
+        )
+    classes = sorted({gpu.gpu_class for gpu in spec.gpus})
+    if len(classes) > 1:
+        # Tensor-parallel ranks run in lockstep: the group runs at the pace, and within the
+        # memory, of its smallest card.
+        reasons.append(
+            f"a tensor-parallel group must be one GPU class, this shard mixes {', '.join(classes)}"
+        )
+    return reasons
+
+
+def _rendezvous(spec: ShardSpec) -> list[str]:
+    if spec.launcher not in LAUNCHERS:
+        return [f"launcher {spec.launcher!r} is not one of {', '.join(LAUNCHERS)}"]
+    if spec.launcher == "ray" and spec.engine != "vllm":
+        return [f"launcher 'ray' is for vLLM only; {_DISPLAY_NAMES[spec.engine]} starts its own ranks"]
+    if spec.launcher == "ray":
+        # Even on one node: the Ray head listens on the node's address, and vLLM is pointed at it.
+        needed_by = "a Ray-launched shard"
+    elif spec.nodes > 1:
+        needed_by = f"a {spec.nodes}-node shard"
+    else:
+        return []
+    reasons = []
+    for field, value in (
+        ("leader_address", spec.leader_address),
+        ("node_address", spec.node_address),
+        ("mgmt_interface", spec.mgmt_interface),
+    ):
+        if not value:
+            reasons.append(f"{needed_by} needs {field}, which is empty")
+    if not 1 <= spec.rendezvous_port <= 65535:
+        reasons.append(f"{needed_by} needs a rendezvous_port on the leader, not {spec.rendezvous_port}")
+    return reasons
+
+
+def _fabric(spec: ShardSpec) -> list[str]:
+    fabric = spec.fabric
+    if fabric.kind not in FABRIC_KINDS:
+        return [f"fabric kind {fabric.kind!r} is not one of 'ib', 'roce' or '' (none)"]
+    if not fabric.kind:
+        if fabric.hcas:
+            return [f"fabric kind '' (none) lists adapters {', '.join(fabric.hcas)}"]
+        return []
+    reasons = []
+    if not fabric.hcas:
+        # An empty NCCL_IB_HCA is an open list: NCCL would pick adapters on any fabric.
+        reasons.append(f"fabric {fabric.kind!r} lists no adapters")
+    if fabric.kind == "roce" and fabric.gid_index is None:
+        reasons.append(
+            "a RoCE fabric needs the GID index of its RoCE v2 IPv4 entry: NCCL's default is a v1 "
+            "link-local entry on most hosts, which does not route"
+        )
+    return reasons
+
+
+def _precision(spec: ShardSpec) -> list[str]:
+    # Every fp8 variant (fp8, w8a8_fp8, modelopt_fp8, ...) computes in fp8.
+    fp8 = [
+        f"{field} {value!r}"
+        for field, value in (("dtype", spec.dtype), ("quantization", spec.quantization))
+        if value is not None and "fp8" in value.lower()
+    ]
+    reasons = []
+    if fp8:
+        too_old = []
+        for gpu in spec.gpus:
+            capability = _capability(gpu.compute_capability)
+            if capability is None:
+                reasons.append(
+                    f"GPU {gpu.index} reports compute capability {gpu.compute_capability!r}, not MAJOR.MINOR"
+                )
+            elif capability < FP8_MIN_COMPUTE_CAPABILITY:
+                too_old.append(f"GPU {gpu.index} ({gpu.gpu_class}) is {gpu.compute_capability}")
+        if too_old:
+            reasons.append(
+                f"{' and '.join(fp8)}: fp8 needs compute capability 8.9 or newer, and {', '.join(too_old)}; "
+                "refused rather than left to a slow fallback"
+            )
+    if spec.dtype is not None and "fp8" in spec.dtype.lower() and spec.engine != "llamacpp":
+        reasons.append(
+            f"dtype {spec.dtype!r} is not a --dtype choice of {_DISPLAY_NAMES[spec.engine]}, which takes fp8 "
+            "as a quantization: set quantization 'fp8' instead"
+        )
+    return reasons
+
+
+def _engine_specific(spec: ShardSpec) -> list[str]:
+    if spec.engine != "llamacpp":
+        return []
+    reasons = []
+    if spec.nodes > 1:
+        reasons.append(f"llama.cpp runs on one node, and this shard spans {spec.nodes}")
+    for field, value in (("dtype", spec.dtype), ("quantization", spec.quantization)):
+        if value is not None:
+            reasons.append(
+                f"llama.cpp takes its quantization from the GGUF file; {field} {value!r} cannot apply"
+            )
+    if not spec.model_path.endswith(".gguf"):
+        reasons.append(f"llama.cpp loads a .gguf file, and model_path {spec.model_path!r} is not one")
+    # llama.cpp splits --alias and --lora values at commas.
+    if "," in spec.model:
+        reasons.append(f"model name {spec.model!r} holds a comma, which llama.cpp reads as two aliases")
+    for adapter in spec.adapters:
+        if "," in adapter.path:
+            reasons.append(
+                f"adapter path {adapter.path!r} holds a comma, which llama.cpp reads as two adapters"
+            )
+    return reasons
+
+
+def _flags_and_names(spec: ShardSpec) -> list[str]:
+    reasons = []
+    for token in spec.extra_flags:
+        if token.split("=", 1)[0] in KEY_FLAGS:
+            reasons.append(
+                f"extra flag {token.split('=', 1)[0]} would replace the key llmgw gives the replica, "
+                "and the router would be locked out"
+            )
+    names = [adapter.name for adapter in spec.adapters]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        reasons.append(f"adapter name {name!r} is given twice")
+    for adapter in spec.adapters:
+        if not adapter.name or not adapter.path:
+            reasons.append(f"adapter {adapter.name!r} at {adapter.path!r} needs both a name and a path")
+        elif "=" in adapter.name and spec.engine != "llamacpp":
+            # vLLM and SGLang take adapters as name=path.
+            reasons.append(f"adapter name {adapter.name!r} holds '=', which ends the name in name=path")
+    return reasons
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        return None
+    return int(major), int(minor)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,0 +1,130 @@
+"""vLLM: ``vllm serve``, across nodes with its own multiprocessing or with a Ray cluster.
+
+Flags are those of vLLM 0.33's ``vllm serve --help=all`` (the plain ``--help`` lists only groups).
+"""
+
+from __future__ import annotations
+
+from llmgw.core.engines.common import LISTEN_ALL, EngineBinaries, collective_env, device_env
+from llmgw.core.shard import Command, LaunchPlan, ShardSpec
+
+
+def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
+    if spec.launcher == "ray":
+        return _ray_plan(spec, engine_key=engine_key, binaries=binaries)
+    return _mp_plan(spec, engine_key=engine_key, binaries=binaries)
+
+
+def _mp_plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
+    # Every node runs `vllm serve` with the same model and sizes; only rank 0 serves HTTP, the
+    # others run their GPU workers headless and join rank 0's master port.
+    serves_http = spec.rank == 0
+    builtins = _serve_flags(spec)
+    if spec.tensor_parallel * spec.pipeline_parallel > 1:
+        # Said explicitly: vLLM's default depends on what it finds (its help: mp only while the
+        # ranks fit this node's GPUs, Ray beyond that), and a multi-node shard never fits.
+        builtins += ["--distributed-executor-backend", "mp"]
+    if spec.nodes > 1:
+        builtins += [
+            "--nnodes", str(spec.nodes),
+            "--node-rank", str(spec.rank),
+            "--master-addr", spec.leader_address,
+            "--master-port", str(spec.rendezvous_port),
+        ]  # fmt: skip
+    if not serves_http:
+        builtins.append("--headless")
+    engine = Command(
+        name="engine",
+        argv=_serve_argv(spec, binaries, builtins),
+        env=_engine_env(spec, engine_key if serves_http else None),
+        serves_http=serves_http,
+    )
+    return LaunchPlan(commands=(engine,), health_port=spec.port if serves_http else None)
+
+
+def _ray_plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
+    head_address = f"{spec.leader_address}:{spec.rendezvous_port}"
+    if spec.rank != 0:
+        # A worker node only lends its GPUs to the leader's Ray cluster; vLLM's workers there are
+        # Ray actors, started by this node's raylet with this environment.
+        worker = Command(
+            name="ray-worker",
+            argv=(binaries.ray, "start", "--address", head_address, *_ray_node_flags(spec)),
+            env=_node_env(spec),
+            waits_for_leader=True,
+        )
+        return LaunchPlan(commands=(worker,), health_port=None)
+    head = Command(
+        name="ray-head",
+        argv=(
+            binaries.ray,
+            "start",
+            "--head",
+            "--port",
+            str(spec.rendezvous_port),
+            *_ray_node_flags(spec),
+        ),  # fmt: skip
+        env=_node_env(spec),
+    )
+    engine = Command(
+        name="engine",
+        argv=_serve_argv(spec, binaries, [*_serve_flags(spec), "--distributed-executor-backend", "ray"]),
+        # Without an address, a vLLM that starts before the head is up starts a Ray of its own,
+        # and one made earlier on this node by another replica would be found instead.
+        env={**_engine_env(spec, engine_key), "RAY_ADDRESS": head_address},
+        # The head on this node is the leader's rendezvous point: wait for it.
+        waits_for_leader=True,
+        serves_http=True,
+    )
+    return LaunchPlan(commands=(head, engine), health_port=spec.port)
+
+
+def _ray_node_flags(spec: ShardSpec) -> tuple[str, ...]:
+    # Ray otherwise picks the address of the default route, which on a node with several
+    # networks need not be the one the other nodes reach it on. --block keeps `ray start` in the
+    # foreground, so the shard's supervisor owns it.
+    return ("--node-ip-address", spec.node_address, "--block")
+
+
+def _serve_flags(spec: ShardSpec) -> list[str]:
+    flags = [
+        "--served-model-name", spec.model,
+        "--host", LISTEN_ALL,
+        "--port", str(spec.port),
+        "--tensor-parallel-size", str(spec.tensor_parallel),
+        "--pipeline-parallel-size", str(spec.pipeline_parallel),
+    ]  # fmt: skip
+    if spec.ctx_size is not None:
+        flags += ["--max-model-len", str(spec.ctx_size)]
+    if spec.parallel is not None:
+        flags += ["--max-num-seqs", str(spec.parallel)]
+    if spec.dtype is not None:
+        flags += ["--dtype", spec.dtype]
+    if spec.quantization is not None:
+        flags += ["--quantization", spec.quantization]
+    if spec.adapters:
+        flags += ["--enable-lora", "--lora-modules", *(f"{a.name}={a.path}" for a in spec.adapters)]
+    return flags
+
+
+def _serve_argv(spec: ShardSpec, binaries: EngineBinaries, builtins: list[str]) -> tuple[str, ...]:
+    # Built-ins after the profile's flags: argparse keeps the last value, so a profile cannot
+    # move the port or rename the model under the router.
+    return (binaries.vllm, "serve", spec.model_path, *spec.extra_flags, *builtins)
+
+
+def _node_env(spec: ShardSpec) -> dict[str, str]:
+    env = {**device_env(spec), **collective_env(spec)}
+    if spec.node_address:
+        # This node's own address, which vLLM reports to its peers; the leader's would send every
+        # rank's traffic to rank 0.
+        env["VLLM_HOST_IP"] = spec.node_address
+    return env
+
+
+def _engine_env(spec: ShardSpec, engine_key: str | None) -> dict[str, str]:
+    env = _node_env(spec)
+    if engine_key:
+        # In the environment: a command line is readable by every user of the node.
+        env["VLLM_API_KEY"] = engine_key
+    return env

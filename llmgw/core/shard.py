@@ -1,0 +1,107 @@
+"""A shard: one node's part of a replica, and the processes that run it.
+
+``ShardSpec`` is what the control plane decides and sends to the agent inside StartShard; the
+agent writes it to disk so that it can adopt the shard after a restart. It therefore holds no
+secret: the engine key is passed to the command builders separately. ``LaunchPlan`` is what the
+builders in :mod:`llmgw.core.engines` turn a spec into.
+
+Every type here is frozen attrs over plain values (str, int, bool, tuple, dict, None), so cattrs
+converts them to JSON and back without hooks.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+frozen = attrs.frozen(kw_only=True)
+
+ENGINES = ("vllm", "sglang", "llamacpp")
+# How vLLM starts its ranks: its own multiprocessing (with --nnodes across nodes), or a Ray
+# cluster made of one head and one worker per node. SGLang and llama.cpp know only the first.
+LAUNCHERS = ("mp", "ray")
+# "" = no RDMA fabric chosen: collectives go over TCP on the management interface.
+FABRIC_KINDS = ("", "ib", "roce")
+
+
+@frozen
+class GpuRef:
+    """One GPU of this node given to the shard, as the agent's discovery named it."""
+
+    index: int  # NVML's index, which is the PCI bus order
+    uuid: str
+    gpu_class: str  # e.g. "h100-80g"
+    compute_capability: str  # "8.9"
+
+
+@frozen
+class Fabric:
+    """The RDMA fabric the shard's collectives use between nodes."""
+
+    kind: str = ""  # one of FABRIC_KINDS
+    # Adapters of the chosen fabric only, e.g. ("mlx5_0", "mlx5_1"): NCCL given an open list may
+    # pick an adapter on another fabric, where the peer is unreachable, and hang.
+    hcas: tuple[str, ...] = ()
+    # RoCE only: the GID entry that is RoCE v2 and holds an IPv4 address.
+    gid_index: int | None = None
+
+
+@frozen
+class Adapter:
+    """A LoRA adapter loaded when the engine starts."""
+
+    name: str  # the model name clients ask for to get it
+    path: str  # its weights on the node
+
+
+@frozen
+class ShardSpec:
+    shard_id: str
+    replica_id: str
+    model: str  # the name clients use
+    model_path: str  # weights on the node: a directory, a .gguf file, or a hub id
+    engine: str  # one of ENGINES
+    launcher: str = "mp"  # one of LAUNCHERS; "ray" is vLLM only
+    gpus: tuple[GpuRef, ...] = ()  # this node's GPUs for the shard; empty = CPU
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    nodes: int = 1
+    rank: int = 0
+    leader_address: str = ""  # rank 0's management IP
+    node_address: str = ""  # this node's management IP
+    mgmt_interface: str = ""  # the interface holding node_address (NCCL/GLOO sockets)
+    port: int  # the engine's HTTP port (served by rank 0)
+    # Where the ranks meet on the leader: vLLM's master port, SGLang's dist-init port, the Ray
+    # head's port. 0 = none (a single-node mp shard needs none).
+    rendezvous_port: int = 0
+    ctx_size: int | None = None  # context length the engine is started with
+    # Sequences served at once: llama.cpp's slots, vLLM's max-num-seqs, SGLang's max running
+    # requests.
+    parallel: int | None = None
+    dtype: str | None = None
+    quantization: str | None = None  # e.g. "fp8"
+    extra_flags: tuple[str, ...] = ()  # the profile's flags, as argv tokens
+    adapters: tuple[Adapter, ...] = ()
+    fabric: Fabric = Fabric()
+
+
+@frozen
+class Command:
+    """One process of a shard."""
+
+    name: str  # "engine", "ray-head", "ray-worker"
+    argv: tuple[str, ...]
+    # Added to the agent's environment for this process.
+    env: dict[str, str]
+    # Start only once leader_address:rendezvous_port accepts connections: a process that joins
+    # the leader exits at once when nothing listens there yet.
+    waits_for_leader: bool = False
+    serves_http: bool = False
+
+
+@frozen
+class LaunchPlan:
+    # Sidecars first, the engine last: the last command's exit is the shard's exit.
+    commands: tuple[Command, ...]
+    # The port to health-check on this node; None when this rank serves no HTTP and is judged by
+    # staying alive.
+    health_port: int | None

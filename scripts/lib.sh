@@ -1,0 +1,20 @@
+# Shared by the scripts: a virtual environment in .venv with llmgw and everything its tests need.
+# Sourced, not run. Re-installs only when pyproject.toml changed since the last install.
+
+ensure_venv() {
+  local python=${PYTHON:-python3}
+  if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "llmgw needs Python 3.11 or newer; set PYTHON=/path/to/python3.11" >&2
+    return 1
+  fi
+  if [ ! -x .venv/bin/python ]; then
+    echo "==> creating .venv"
+    "$python" -m venv .venv
+  fi
+  if [ ! -f .venv/.llmgw-installed ] || [ pyproject.toml -nt .venv/.llmgw-installed ]; then
+    echo "==> installing llmgw and its test/build tools into .venv"
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e '.[test,build]'
+    touch .venv/.llmgw-installed
+  fi
+}

@@ -1,0 +1,55 @@
+"""The README's first command, as a new user runs it (in --check mode, so it ends by itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def refused(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_quickstart_starts_server_and_agent_lists_the_node_and_stops_both(tmp_path):
+    link_port, admin_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "LLMGW_HOME": str(tmp_path / "home"),
+        "LLMGW_LINK_PORT": str(link_port),
+        "LLMGW_ADMIN_PORT": str(admin_port),
+        "LLMGW_CONTEXT": str(tmp_path / "context.json"),
+    }
+    for run in (1, 2):  # the second run reuses the store, the secrets and the node
+        result = subprocess.run(
+            ["scripts/quickstart.sh", "--check"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
+        assert "NAME" in result.stdout and "online" in result.stdout, result.stdout
+        # Nothing left listening: both processes were stopped.
+        assert refused(link_port) and refused(admin_port)
+
+    context = json.loads((tmp_path / "context.json").read_text())
+    assert context["server"] == f"http://127.0.0.1:{admin_port}"
+    server_log = (tmp_path / "home" / "logs" / "server.log").read_text()
+    assert server_log.count("llmgw server up") == 2
+    assert server_log.count("SIGTERM: stopping") == 2

@@ -1,0 +1,182 @@
+"""Link messages: codec round trips, framing, and the HTTP/2 stream under flow control."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.wire.codec import FramingError, LineDecoder, decode, encode
+from llmgw.wire.h2link import STREAM_WINDOW, H2Link, LinkClosed
+from llmgw.wire.messages import (
+    ForeignProcess,
+    Goodbye,
+    Gpu,
+    Heartbeat,
+    IbPort,
+    Inventory,
+    Ping,
+    Pong,
+    Register,
+)
+
+text = st.text(max_size=40)
+gpus = st.builds(
+    Gpu,
+    index=st.integers(0, 15),
+    uuid=text,
+    name=text,
+    gpu_class=text,
+    memory_total_mib=st.integers(0, 200_000),
+    memory_used_mib=st.integers(0, 200_000),
+    compute_capability=st.sampled_from(["7.5", "8.0", "8.9", "9.0"]),
+    ecc_uncorrected=st.integers(-1, 100),
+    foreign_processes=st.lists(
+        st.builds(ForeignProcess, pid=st.integers(1, 2**22), name=text), max_size=3
+    ).map(tuple),
+    problems=st.lists(st.sampled_from(["ecc-uncorrected", "foreign-memory"]), max_size=2).map(tuple),
+)
+ports = st.builds(
+    IbPort,
+    device=text,
+    port=st.integers(1, 2),
+    state=st.sampled_from(["ACTIVE", "DOWN"]),
+    rate_gbps=st.floats(0, 800, allow_nan=False),
+    link_layer=st.sampled_from(["InfiniBand", "Ethernet"]),
+    roce_v2_gid_index=st.none() | st.integers(0, 8),
+    subnet=text,
+)
+inventories = st.builds(
+    Inventory,
+    hostname=text,
+    cpu_count=st.integers(1, 512),
+    memory_total_mib=st.integers(0, 10**7),
+    memory_available_mib=st.integers(0, 10**7),
+    gpus=st.lists(gpus, max_size=8).map(tuple),
+    ib_ports=st.lists(ports, max_size=4).map(tuple),
+    fabric=text,
+)
+messages = st.one_of(
+    st.builds(Register, node=text, agent_version=text, inventory=inventories),
+    st.builds(Heartbeat, seq=st.integers(0, 2**40), inventory=st.none() | inventories),
+    st.builds(Ping, id=st.integers(0, 2**31), trace=st.dictionaries(text, text, max_size=3), payload=text),
+    st.builds(Pong, reply_to=st.integers(0, 2**31), payload=text, node=text),
+    st.builds(Goodbye, reason=text),
+)
+
+
+@given(messages)
+def test_every_message_round_trips_as_one_line(message):
+    line = encode(message)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert decode(line) == message
+
+
+@given(st.lists(messages, max_size=5), st.integers(1, 64))
+def test_decoder_reassembles_messages_split_anywhere(batch, chunk):
+    wire = b"".join(encode(m) for m in batch)
+    decoder = LineDecoder()
+    out = []
+    sizes = 0
+    for i in range(0, len(wire), chunk):
+        for message, size in decoder.feed_sized(wire[i : i + chunk]):
+            out.append(message)
+            sizes += size
+    assert out == batch
+    assert sizes == len(wire)  # every byte is accounted for, so flow-control credit adds up
+
+
+@pytest.mark.parametrize(
+    "junk", [b"{}\n", b'{"type":"Nope"}\n', b"not json\n", b'{"type":"Ping","id":"x"}\n']
+)
+def test_undecodable_lines_are_framing_errors(junk):
+    with pytest.raises(FramingError):
+        LineDecoder().feed(junk)
+
+
+def test_a_line_past_the_limit_is_refused_before_it_ends():
+    decoder = LineDecoder(max_message_bytes=100)
+    with pytest.raises(FramingError, match="longer than 100"):
+        decoder.feed(b"x" * 101)
+
+
+async def linked_pair(nursery):
+    """A server-side and a client-side H2Link over an in-memory stream pair, stream open."""
+    client_end, server_end = trio.testing.memory_stream_pair()
+    client = H2Link(client_end, client_side=True)
+    server = H2Link(server_end, client_side=False)
+    await nursery.start(client.run)
+    await nursery.start(server.run)
+
+    async def accept():
+        await server.accept_stream()
+        await server.respond(200)
+
+    nursery.start_soon(accept)
+    await client.open_stream({}, authority="test")
+    return client, server
+
+
+async def test_messages_larger_than_the_window_arrive_whole_and_in_order():
+    big = Goodbye(reason="x" * (3 * STREAM_WINDOW))  # needs several WINDOW_UPDATE round trips
+    async with trio.open_nursery() as nursery:
+        client, server = await linked_pair(nursery)
+
+        async def send_all():
+            await client.send(Heartbeat(seq=1))
+            await client.send(big)
+            await client.send(Heartbeat(seq=2))
+
+        nursery.start_soon(send_all)
+        with trio.fail_after(30):
+            assert await server.receive() == Heartbeat(seq=1)
+            assert await server.receive() == big
+            assert await server.receive() == Heartbeat(seq=2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_consumer_that_does_not_read_stalls_the_sender_not_the_reader():
+    """Credit is returned only as messages are taken: a stuck consumer bounds what is buffered,
+    while the connection itself keeps working (the reader still processes frames)."""
+    async with trio.open_nursery() as nursery:
+        client, server = await linked_pair(nursery)
+        sent = 0
+
+        async def flood():
+            nonlocal sent
+            while True:
+                await client.send(Goodbye(reason="y" * 10_000))
+                sent += 1
+
+        nursery.start_soon(flood)
+        # Wait until the sender is blocked by flow control.
+        with trio.fail_after(30):
+            while True:
+                before = sent
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                if sent == before:
+                    break
+        assert sent * 10_000 <= 2 * STREAM_WINDOW  # bounded by the window, not by memory
+        # The other direction is unaffected: the server can still talk to the client.
+        await server.send(Pong(reply_to=1))
+        with trio.fail_after(10):
+            assert await client.receive() == Pong(reply_to=1)
+        # Consuming frees the sender again.
+        with trio.fail_after(30):
+            for _ in range(sent + 5):
+                await server.receive()
+        nursery.cancel_scope.cancel()
+
+
+async def test_receive_after_the_peer_closes_raises_link_closed():
+    async with trio.open_nursery() as nursery:
+        client, server = await linked_pair(nursery)
+        await client.send(Heartbeat(seq=7))
+        await client.aclose("bye")
+        with trio.fail_after(10):
+            assert await server.receive() == Heartbeat(seq=7)  # what was sent before still arrives
+            with pytest.raises(LinkClosed):
+                await server.receive()
+        nursery.cancel_scope.cancel()
