@@ -1,0 +1,450 @@
+"""Engine adapters: shard spec → ordered commands, checked against golden files and the engines'
+own help texts.
+
+Regenerate the golden files after an intended change with
+``LLMGW_REGEN_GOLDEN=1 .venv/bin/pytest tests/test_engines.py`` and review the diff; by default the
+test compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import attrs
+import cattrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, validate
+from llmgw.core.shard import Adapter, Fabric, GpuRef, LaunchPlan, ShardSpec
+
+TESTS = Path(__file__).parent
+GOLDEN = TESTS / "golden" / "engines"
+HELP = TESTS / "fixtures" / "engine-help"
+HELP_FILES = {
+    # vLLM's plain --help lists only its option groups; --help=all has the flags.
+    "vllm": HELP / "vllm-0.33.0-serve-help.txt",
+    "sglang": HELP / "sglang-0.5.23-launch_server-help.txt",
+    "llamacpp": HELP / "llama-server-b11434-help.txt",
+}
+# argv tokens before the engine's own options: `vllm serve <model>`, `python -m sglang...`.
+ENGINE_ARGV_PREFIX = {"vllm": 3, "sglang": 3, "llamacpp": 1}
+REGENERATE = os.environ.get("LLMGW_REGEN_GOLDEN") == "1"
+
+KEY = "sk-engine-test-key-0123456789"
+BINARIES = EngineBinaries()
+
+
+def h100(index: int) -> GpuRef:
+    return GpuRef(index=index, uuid=f"GPU-h100-{index}", gpu_class="h100-80g", compute_capability="9.0")
+
+
+def l40s(index: int) -> GpuRef:
+    return GpuRef(index=index, uuid=f"GPU-l40s-{index}", gpu_class="l40s-45g", compute_capability="8.9")
+
+
+def a100(index: int) -> GpuRef:
+    return GpuRef(index=index, uuid=f"GPU-a100-{index}", gpu_class="a100-80g", compute_capability="8.0")
+
+
+IB = Fabric(kind="ib", hcas=("mlx5_0", "mlx5_1"))
+ROCE = Fabric(kind="roce", hcas=("mlx5_2",), gid_index=3)
+
+BASE = ShardSpec(
+    shard_id="r1-s0",
+    replica_id="r1",
+    model="llama-3-8b",
+    model_path="/models/llama-3-8b",
+    engine="vllm",
+    gpus=(h100(0),),
+    node_address="10.0.0.1",
+    mgmt_interface="eth0",
+    port=8100,
+)
+
+
+def spec(**changes: object) -> ShardSpec:
+    return attrs.evolve(BASE, **changes)
+
+
+def two_nodes(rank: int, **changes: object) -> ShardSpec:
+    """Rank ``rank`` of a replica on 10.0.0.1 (leader) and 10.0.0.2; interface names differ."""
+    multi_node = {
+        "nodes": 2,
+        "rank": rank,
+        "leader_address": "10.0.0.1",
+        "node_address": f"10.0.0.{rank + 1}",
+        "mgmt_interface": ("eth0", "ens5")[rank],
+        "rendezvous_port": 29500,
+    }
+    return spec(**{**multi_node, **changes})
+
+
+LLAMA = {"engine": "llamacpp", "model": "smollm2", "model_path": "/models/smollm2.Q4_1.gguf"}
+ADAPTERS = (Adapter(name="support-bot", path="/adapters/support"), Adapter(name="sql", path="/adapters/sql"))
+
+CASES: dict[str, tuple[ShardSpec, str | None]] = {
+    "llamacpp-cpu": (spec(**LLAMA, gpus=(), ctx_size=4096, parallel=2, mgmt_interface=""), KEY),
+    "llamacpp-gpu-adapters": (
+        spec(
+            **LLAMA,
+            gpus=(l40s(1),),
+            adapters=(
+                Adapter(name="support-bot", path="/adapters/support.gguf"),
+                Adapter(name="sql", path="/adapters/sql.gguf"),
+            ),
+            extra_flags=("--threads", "8"),
+        ),
+        KEY,
+    ),
+    "vllm-single-gpu": (
+        spec(extra_flags=("--gpu-memory-utilization", "0.85"), quantization="fp8", parallel=32),
+        KEY,
+    ),
+    "vllm-tp2": (
+        spec(gpus=(h100(2), h100(3)), tensor_parallel=2, ctx_size=8192, dtype="bfloat16", adapters=ADAPTERS),
+        KEY,
+    ),
+    "vllm-mp-rank0": (
+        two_nodes(0, gpus=(h100(0), h100(1)), tensor_parallel=2, pipeline_parallel=2, fabric=IB),
+        KEY,
+    ),
+    "vllm-mp-rank1": (
+        two_nodes(1, gpus=(h100(0), h100(1)), tensor_parallel=2, pipeline_parallel=2, fabric=IB),
+        KEY,
+    ),
+    "vllm-ray-leader": (two_nodes(0, launcher="ray", tensor_parallel=2, fabric=ROCE), KEY),
+    "vllm-ray-worker": (two_nodes(1, launcher="ray", tensor_parallel=2, fabric=ROCE), KEY),
+    "sglang-single": (
+        spec(engine="sglang", quantization="fp8", dtype="bfloat16", ctx_size=32768, parallel=64),
+        KEY,
+    ),
+    "sglang-rank0": (
+        two_nodes(
+            0,
+            engine="sglang",
+            gpus=(h100(0), h100(1)),
+            tensor_parallel=2,
+            pipeline_parallel=2,
+            adapters=ADAPTERS,
+        ),
+        KEY,
+    ),
+    "sglang-rank1": (
+        two_nodes(
+            1,
+            engine="sglang",
+            gpus=(h100(0), h100(1)),
+            tensor_parallel=2,
+            pipeline_parallel=2,
+            adapters=ADAPTERS,
+        ),
+        KEY,
+    ),
+}
+
+
+def plan_of(case: str) -> LaunchPlan:
+    shard, key = CASES[case]
+    return build_plan(shard, engine_key=key, binaries=BINARIES)
+
+
+def as_golden(engine: str, plan: LaunchPlan) -> dict:
+    return {
+        "engine": engine,
+        "health_port": plan.health_port,
+        "commands": [
+            {
+                "name": c.name,
+                "argv": list(c.argv),
+                "env": dict(sorted(c.env.items())),
+                "waits_for_leader": c.waits_for_leader,
+                "serves_http": c.serves_http,
+            }
+            for c in plan.commands
+        ],
+    }
+
+
+# --- golden files --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plan_matches_golden(case: str) -> None:
+    path = GOLDEN / f"{case}.json"
+    actual = as_golden(CASES[case][0].engine, plan_of(case))
+    if REGENERATE:
+        path.write_text(json.dumps(actual, indent=2) + "\n")
+    assert path.exists(), f"{path} missing: run with LLMGW_REGEN_GOLDEN=1 and review it"
+    assert actual == json.loads(path.read_text())
+
+
+def test_every_golden_file_has_a_case() -> None:
+    # A stale golden file would still be checked against the help texts below and mislead.
+    assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(CASES)
+
+
+# --- flags against the engines' help texts --------------------------------------------------------
+
+# An option token: a dash or two, then a name that ends in a letter or digit. Neither a word
+# character nor a dash may touch it on either side, so "--port" is not found in "--port-range".
+_OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*(?<=[A-Za-z0-9]))(?![\w-])")
+# Where a definition line's option list ends: a run of spaces before the description.
+_DESCRIPTION = re.compile(r"\s{2,}(?=[^\s-])")
+
+
+def help_flags(text: str) -> set[str]:
+    """The options a help text defines: the tokens at the head of each line starting with '-'.
+
+    Prose mentioning a flag does not count: "--foo was removed" must not make --foo look alive.
+    """
+    flags: set[str] = set()
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if stripped.startswith("-"):
+            flags.update(_OPTION.findall(_DESCRIPTION.split(stripped, maxsplit=1)[0]))
+    return flags
+
+
+@pytest.fixture(scope="module")
+def engine_flags() -> dict[str, set[str]]:
+    return {engine: help_flags(path.read_text()) for engine, path in HELP_FILES.items()}
+
+
+def test_help_flags_match_at_word_boundaries(engine_flags: dict[str, set[str]]) -> None:
+    assert help_flags("  --port-range PORT_RANGE   ports to use") == {"--port-range"}
+    assert help_flags("-ngl,  --gpu-layers, --n-gpu-layers N   layers") == {
+        "-ngl",
+        "--gpu-layers",
+        "--n-gpu-layers",
+    }
+    assert help_flags("  --nnodes NNODES, -n NNODES\n      num of nodes; see --foo") == {"--nnodes", "-n"}
+    # The facts the builders rely on, as the engines state them.
+    assert "--tp" not in engine_flags["sglang"] and "--tp-size" in engine_flags["sglang"]
+    assert {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"} <= engine_flags["vllm"]
+    assert "-ngl" in engine_flags["llamacpp"] and "--metrics" in engine_flags["llamacpp"]
+
+
+def test_plain_vllm_help_would_miss_every_flag() -> None:
+    plain = help_flags((HELP / "vllm-0.33.0-serve-help-plain.txt").read_text())
+    assert not {"--tensor-parallel-size", "--port", "--served-model-name"} & plain
+
+
+def golden_files() -> list[Path]:
+    return sorted(GOLDEN.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", golden_files(), ids=lambda p: p.stem)
+def test_every_golden_flag_is_in_the_engine_help(path: Path, engine_flags: dict[str, set[str]]) -> None:
+    golden = json.loads(path.read_text())
+    engine = golden["engine"]
+    # `ray start` (a Ray worker's only command) has no captured help text to check against.
+    for command in (c for c in golden["commands"] if c["name"] == "engine"):
+        names = [token.split("=", 1)[0] for token in command["argv"][ENGINE_ARGV_PREFIX[engine] :]]
+        options = [name for name in names if _OPTION.fullmatch(name)]
+        assert options, f"{path.name}: no flags found in {command['argv']}"
+        unknown = [flag for flag in options if flag not in engine_flags[engine]]
+        assert not unknown, f"{path.name}: not in {HELP_FILES[engine].name}: {unknown}"
+
+
+# --- keys ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if not c.startswith("sglang")))
+def test_vllm_and_llamacpp_keys_only_in_environment(case: str) -> None:
+    plan = plan_of(case)
+    for command in plan.commands:
+        assert not any(KEY in token for token in command.argv)
+    key_vars = {"vllm": "VLLM_API_KEY", "llamacpp": "LLAMA_API_KEY"}[CASES[case][0].engine]
+    holders = [c.name for c in plan.commands if c.env.get(key_vars) == KEY]
+    # Only the process that serves HTTP checks a key; headless ranks and Ray nodes get none.
+    assert holders == [c.name for c in plan.commands if c.serves_http]
+
+
+def test_sglang_key_in_argv_on_the_serving_rank_only() -> None:
+    (leader,) = plan_of("sglang-rank0").commands
+    assert leader.argv[leader.argv.index("--api-key") + 1] == KEY
+    (worker,) = plan_of("sglang-rank1").commands
+    assert not any(KEY in token for token in worker.argv)
+    assert not any(KEY in value for value in (*leader.env.values(), *worker.env.values()))
+
+
+def test_no_key_no_key_anywhere() -> None:
+    for engine in ("vllm", "sglang"):
+        (command,) = build_plan(spec(engine=engine), engine_key=None, binaries=BINARIES).commands
+        assert "--api-key" not in command.argv and "VLLM_API_KEY" not in command.env
+
+
+# --- argv order --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [spec(), spec(engine="sglang"), spec(**LLAMA)],
+    ids=["vllm", "sglang", "llamacpp"],
+)
+def test_builtins_come_after_extra_flags_and_win(shard: ShardSpec) -> None:
+    extra = ("--port", "1", "--host", "127.0.0.1")
+    (command,) = build_plan(
+        attrs.evolve(shard, extra_flags=extra), engine_key=None, binaries=BINARIES
+    ).commands
+    argv = list(command.argv)
+    start = argv.index("--port")
+    assert tuple(argv[start : start + len(extra)]) == extra
+    # argparse (and llama.cpp) keep the last value given.
+    last_port = len(argv) - 1 - argv[::-1].index("--port")
+    assert last_port > start + len(extra) - 1 and argv[last_port + 1] == "8100"
+    last_host = len(argv) - 1 - argv[::-1].index("--host")
+    assert argv[last_host + 1] == "0.0.0.0"
+
+
+# --- shapes of the plans ---------------------------------------------------------------------------
+
+
+def test_ray_worker_runs_only_the_join_and_waits_for_the_head() -> None:
+    plan = plan_of("vllm-ray-worker")
+    (worker,) = plan.commands
+    assert worker.name == "ray-worker" and worker.waits_for_leader and not worker.serves_http
+    assert worker.argv[:4] == ("ray", "start", "--address", "10.0.0.1:29500")
+    assert plan.health_port is None
+
+
+def test_ray_leader_runs_head_then_engine_pointed_at_it() -> None:
+    plan = plan_of("vllm-ray-leader")
+    assert [c.name for c in plan.commands] == ["ray-head", "engine"]
+    head, engine = plan.commands
+    assert not head.waits_for_leader and "--head" in head.argv
+    assert engine.waits_for_leader and engine.serves_http
+    assert engine.env["RAY_ADDRESS"] == "10.0.0.1:29500"
+    assert engine.argv[-2:] == ("--distributed-executor-backend", "ray")
+    assert plan.health_port == 8100
+
+
+def test_mp_rank1_is_headless_with_its_own_address() -> None:
+    plan = plan_of("vllm-mp-rank1")
+    (engine,) = plan.commands
+    assert "--headless" in engine.argv and not engine.serves_http and plan.health_port is None
+    assert engine.argv[engine.argv.index("--node-rank") + 1] == "1"
+    assert engine.argv[engine.argv.index("--master-addr") + 1] == "10.0.0.1"
+    # Its own address and interface, not the leader's.
+    assert engine.env["VLLM_HOST_IP"] == "10.0.0.2"
+    assert engine.env["NCCL_SOCKET_IFNAME"] == "=ens5" and engine.env["GLOO_SOCKET_IFNAME"] == "ens5"
+
+
+def test_collectives_use_only_the_chosen_fabric() -> None:
+    (ib,) = plan_of("vllm-mp-rank0").commands
+    assert ib.env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
+    assert "NCCL_IB_GID_INDEX" not in ib.env and "NCCL_IB_DISABLE" not in ib.env
+    roce = plan_of("vllm-ray-worker").commands[0]
+    assert roce.env["NCCL_IB_HCA"] == "=mlx5_2" and roce.env["NCCL_IB_GID_INDEX"] == "3"
+    (none,) = plan_of("sglang-rank0").commands
+    assert none.env["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in none.env
+
+
+def test_a_single_gpu_shard_has_no_collective_settings() -> None:
+    (engine,) = plan_of("vllm-single-gpu").commands
+    assert not [name for name in engine.env if name.startswith(("NCCL_", "GLOO_"))]
+    assert engine.env["CUDA_VISIBLE_DEVICES"] == "0" and engine.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_cpu_shard_hides_every_gpu() -> None:
+    (engine,) = plan_of("llamacpp-cpu").commands
+    assert engine.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert engine.argv[engine.argv.index("-ngl") + 1] == "0"
+
+
+def test_spec_round_trips_through_cattrs_and_json() -> None:
+    shard = CASES["vllm-ray-leader"][0]
+    converter = cattrs.Converter()
+    data = json.loads(json.dumps(converter.unstructure(shard)))
+    assert converter.structure(data, ShardSpec) == shard
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shard", "reason"),
+    [
+        (spec(engine="tgi"), "engine 'tgi' is not one of vllm, sglang, llamacpp"),
+        (spec(gpus=(h100(0), a100(1)), tensor_parallel=2), "mixes a100-80g, h100-80g"),
+        (
+            two_nodes(0, tensor_parallel=4),
+            "tensor parallelism 4 × pipeline 1 needs 4 GPUs, this shard spans 2 nodes × 1 GPU",
+        ),
+        (
+            spec(gpus=(a100(0),), quantization="fp8"),
+            "quantization 'fp8': fp8 needs compute capability 8.9 or newer, and GPU 0 (a100-80g) is 8.0",
+        ),
+        (spec(gpus=(a100(0),), engine="sglang", quantization="w8a8_fp8"), "needs compute capability 8.9"),
+        (spec(dtype="fp8"), "dtype 'fp8' is not a --dtype choice of vLLM"),
+        (attrs.evolve(two_nodes(1), rank=2), "rank 2 is outside 0..1 for a 2-node shard"),
+        (two_nodes(1, leader_address=""), "a 2-node shard needs leader_address, which is empty"),
+        (two_nodes(1, rendezvous_port=0), "a 2-node shard needs a rendezvous_port on the leader, not 0"),
+        (two_nodes(0, mgmt_interface=""), "a 2-node shard needs mgmt_interface"),
+        (spec(launcher="ray"), "a Ray-launched shard needs leader_address"),
+        (spec(launcher="ray", engine="sglang"), "launcher 'ray' is for vLLM only"),
+        (spec(launcher="slurm"), "launcher 'slurm' is not one of mp, ray"),
+        (two_nodes(0, **LLAMA, tensor_parallel=2), "llama.cpp runs on one node, and this shard spans 2"),
+        (spec(**{**LLAMA, "model_path": "/models/llama-3-8b"}), "llama.cpp loads a .gguf file"),
+        (spec(**LLAMA, quantization="q4_0"), "llama.cpp takes its quantization from the GGUF file"),
+        (spec(**LLAMA, adapters=(Adapter(name="a", path="/x,y.gguf"),)), "reads as two adapters"),
+        (spec(gpus=()), "vLLM needs GPUs and this shard has none"),
+        (
+            spec(**LLAMA, gpus=(), tensor_parallel=2),
+            "a CPU shard runs with tensor parallelism 1 × pipeline 1, not 2 × 1",
+        ),
+        (
+            two_nodes(0, tensor_parallel=2, fabric=Fabric(kind="roce", hcas=("mlx5_0",))),
+            "RoCE fabric needs the GID index",
+        ),
+        (two_nodes(0, tensor_parallel=2, fabric=Fabric(kind="ib")), "fabric 'ib' lists no adapters"),
+        (spec(extra_flags=("--api-key", "mine")), "extra flag --api-key would replace the key"),
+        (
+            spec(**LLAMA, extra_flags=("--api-key-file=/k",)),
+            "extra flag --api-key-file would replace the key",
+        ),
+        (spec(adapters=(ADAPTERS[0], ADAPTERS[0])), "adapter name 'support-bot' is given twice"),
+        (spec(adapters=(Adapter(name="a=b", path="/p"),)), "holds '='"),
+        (spec(port=0), "port 0 is not a TCP port"),
+    ],
+)
+def test_validation_refuses(shard: ShardSpec, reason: str) -> None:
+    reasons = validate(shard)
+    assert any(reason in r for r in reasons), reasons
+    with pytest.raises(InvalidShard) as refused:
+        build_plan(shard, engine_key=KEY, binaries=BINARIES)
+    assert refused.value.reasons == tuple(reasons)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_cases_are_valid(case: str) -> None:
+    assert validate(CASES[case][0]) == []
+
+
+def test_fp8_accepted_from_compute_capability_8_9() -> None:
+    assert validate(spec(gpus=(l40s(0),), quantization="fp8")) == []
+
+
+@given(
+    engine=st.sampled_from(["vllm", "sglang"]),
+    nodes=st.integers(1, 4),
+    gpus_per_node=st.integers(1, 8),
+    tp=st.integers(1, 16),
+    pp=st.integers(1, 4),
+)
+def test_gpu_arithmetic_property(engine: str, nodes: int, gpus_per_node: int, tp: int, pp: int) -> None:
+    shard = spec(
+        engine=engine,
+        nodes=nodes,
+        leader_address="10.0.0.1",
+        rendezvous_port=29500,
+        gpus=tuple(h100(i) for i in range(gpus_per_node)),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+    )
+    assert (validate(shard) == []) == (nodes * gpus_per_node == tp * pp)
