@@ -75,6 +75,8 @@ WATCHDOG_SLACK = 30.0
 FD_HEADROOM = 512
 # How often the window checks the agents are still connected (in-process, costs the server nothing).
 CONNECTED_CHECK = 1.0
+# RSS is also sampled this often in the window, to tell steady growth (a leak) from warm-up.
+RSS_SAMPLE_EVERY = 10.0
 # Distinct warning messages kept from this process's log for the report.
 MAX_WARNINGS_SHOWN = 10
 BUDGET_PERCENT = 10.0
@@ -277,16 +279,24 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def count_log_levels(path: Path) -> dict[str, int]:
-    counts: collections.Counter[str] = collections.Counter()
-    try:
-        for line in path.read_text(errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) >= 3 and parts[2] in ("WARNING", "ERROR", "CRITICAL"):
-                counts[parts[2]] += 1
-    except OSError:
-        pass
-    return dict(counts)
+def message_shape(text: str) -> str:
+    """A log message without the words that differ per node (names, numbers, delays)."""
+    return " ".join(word for word in text.split() if not any(ch.isdigit() for ch in word))
+
+
+def server_log_problems(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Counts of WARNING/ERROR lines in (part of) the server's log, and of a few distinct kinds
+    of them ("date time LEVEL logger: message"; traceback lines are not counted)."""
+    levels: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    for line in text.splitlines():
+        parts = line.split(maxsplit=3)
+        if len(parts) == 4 and parts[2] in ("WARNING", "ERROR", "CRITICAL"):
+            levels[parts[2]] += 1
+            kind = f"{parts[2]} {message_shape(parts[3])}"
+            if kind in kinds or len(kinds) < MAX_WARNINGS_SHOWN:
+                kinds[kind] += 1
+    return dict(levels), dict(kinds)
 
 
 # --- this process's own warnings --------------------------------------------------------------
@@ -303,9 +313,7 @@ class WarningTally(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.total += 1
-        text = record.getMessage()
-        # Retry delays and node names differ per agent; keep the shape of the message.
-        key = " ".join(word for word in text.split() if not any(ch.isdigit() for ch in word))
+        key = message_shape(record.getMessage())
         if key in self.distinct or len(self.distinct) < MAX_WARNINGS_SHOWN:
             self.distinct[key] += 1
 
@@ -347,6 +355,7 @@ class Bench:
     log_path: Path
     report: dict = attrs.field(factory=dict)
     phase: str = "starting the server"
+    log_offset_after_window: int = 0
 
     def check_server(self) -> None:
         if self.server.poll() is not None:
@@ -426,11 +435,17 @@ class Bench:
         bench_cpu0 = time.process_time()
         sent0, received0 = COUNTS.snapshot()
         min_connected = args.agents
-        window_end = trio.current_time() + args.seconds
+        rss_samples = [round(mem0["VmRSS"], 1)]
+        window_start = trio.current_time()
+        window_end = window_start + args.seconds
+        next_rss = window_start + RSS_SAMPLE_EVERY
         while (now := trio.current_time()) < window_end:
             await trio.sleep(min(CONNECTED_CHECK, window_end - now))
             self.check_server()
             min_connected = min(min_connected, sum(1 for a in agents if a.link.connected))
+            if trio.current_time() >= next_rss and trio.current_time() < window_end:
+                rss_samples.append(round(process_memory_mib(self.server.pid)["VmRSS"], 1))
+                next_rss += RSS_SAMPLE_EVERY
         cpu1, wall1 = process_cpu_seconds(self.server.pid), time.monotonic()
         mem1 = process_memory_mib(self.server.pid)
         bench_cpu1 = time.process_time()
@@ -444,6 +459,7 @@ class Bench:
         report["server_rss_mib_start"] = round(mem0["VmRSS"], 1)
         report["server_rss_mib_end"] = round(mem1["VmRSS"], 1)
         report["server_rss_mib_peak"] = round(mem1["VmHWM"], 1)
+        report["server_rss_mib_every_10s"] = [*rss_samples, round(mem1["VmRSS"], 1)]
         report["bench_cpu_percent_of_one_core"] = round(100 * (bench_cpu1 - bench_cpu0) / elapsed, 1)
         report["messages_per_s"] = {
             "agent_to_server": round(sum(sent.values()) / elapsed, 1),
@@ -457,6 +473,7 @@ class Bench:
 
         self.phase = "checking the server's view after the window"
         report["server_view_after_window"] = await server_view(endpoints["admin"], admin_token)
+        self.log_offset_after_window = self.log_path.stat().st_size
 
 
 def held_all(report: dict, agents: int) -> bool:
@@ -479,7 +496,9 @@ async def bench_main(bench: Bench, tally: WarningTally) -> None:
                 # Stop the agents before the server, so that they leave politely instead of
                 # retrying against a dead port.
                 bench.phase = "stopping the agents"
+                stopping = trio.current_time()
                 nursery.cancel_scope.cancel()
+            bench.report["agents_stop_s"] = round(trio.current_time() - stopping, 2)
         except* BenchFailed as group:
             bench.report["error"] = f"{bench.phase}: {group.exceptions[0]}"
     if overall.cancelled_caught:
@@ -523,6 +542,7 @@ def render(report: dict) -> str:
             f"{r['server_rss_mib_start']:.1f} MiB at start, {r['server_rss_mib_end']:.1f} MiB at end"
             f" of window (peak {r['server_rss_mib_peak']:.1f}, idle before agents {r['server_rss_mib_idle']:.1f})",
         )
+        row("server RSS every 10 s", " ".join(f"{x:.1f}" for x in r["server_rss_mib_every_10s"]))
         row(
             "link messages/s",
             f"agent->server {m['agent_to_server']:.1f}, server->agent {m['server_to_agent']:.1f},"
@@ -539,11 +559,24 @@ def render(report: dict) -> str:
         over = r["server_cpu_percent_of_one_core"] >= BUDGET_PERCENT
         row("budget", f"{'OVER' if over else 'within'} {BUDGET_PERCENT:g} % of one core")
     levels = r.get("server_log_levels", {})
-    row("server log", ", ".join(f"{n} {k}" for k, n in sorted(levels.items())) or "no warnings or errors")
+    row(
+        "server log",
+        (", ".join(f"{n} {k}" for k, n in sorted(levels.items())) or "no warnings or errors")
+        + " until the end of the window",
+    )
+    for text, n in r.get("server_log_kinds", {}).items():
+        lines.append(f"      {n} x {text}")
     if r.get("agent_warnings"):
         row("agent warnings", str(r["agent_warnings"]))
         for text, n in r["agent_warning_kinds"].items():
             lines.append(f"      {n} x {text}")
+    teardown = r.get("server_log_levels_teardown", {})
+    if teardown:
+        row(
+            "server log, teardown",
+            ", ".join(f"{n} {k}" for k, n in sorted(teardown.items()))
+            + f" after the agents left (stopping them took {r.get('agents_stop_s', '?')} s)",
+        )
     if "kept" in r:
         row("kept", f"{r['kept']} (server.log, server.yaml, data/)")
     if "error" in r:
@@ -625,7 +658,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_server(server)
         signal.alarm(0)
-        report["server_log_levels"] = count_log_levels(log_path)
+        # Up to the end of the window, and after it: once the agents leave, the server rightly
+        # marks their nodes lost (at 1 s heartbeats that happens before it is stopped).
+        try:
+            log_bytes = log_path.read_bytes()
+        except OSError:
+            log_bytes = b""
+        split = bench.log_offset_after_window or len(log_bytes)
+        report["server_log_levels"], report["server_log_kinds"] = server_log_problems(
+            log_bytes[:split].decode(errors="replace")
+        )
+        report["server_log_levels_teardown"], _ = server_log_problems(
+            log_bytes[split:].decode(errors="replace")
+        )
         if args.keep:
             report["kept"] = str(tmp)
         else:

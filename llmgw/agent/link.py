@@ -11,17 +11,35 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import ssl
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
 from llmgw import __version__
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.liveness import Liveness
+from llmgw.core.shard import ShardSpec
 from llmgw.wire.h2link import H2Link, LinkClosed, LinkRefused
-from llmgw.wire.messages import Goodbye, Heartbeat, Inventory, Message, Ping, Pong, Register, Registered
+from llmgw.wire.messages import (
+    CommandResult,
+    DrainShard,
+    Goodbye,
+    Heartbeat,
+    Inventory,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+    RunningShard,
+    ShardStatus,
+    StartShard,
+    StopShard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +48,18 @@ log = logging.getLogger(__name__)
 INVENTORY_EVERY = 6
 # Dialling and registering must finish within this, or the attempt counts as failed.
 HANDSHAKE_TIMEOUT = 10.0
+
+
+class ShardHost(Protocol):
+    """What the link needs from the supervisor."""
+
+    async def start(self, spec: ShardSpec, engine_key: str | None) -> tuple[bool, str]: ...
+
+    async def stop(self, shard_id: str, grace: float) -> tuple[bool, str]: ...
+
+    async def drain(self, shard_id: str, drain_timeout: float) -> tuple[bool, str]: ...
+
+    def running(self) -> list[RunningShard]: ...
 
 
 class JoinRefused(Exception):
@@ -50,6 +80,7 @@ class AgentLink:
         initial_delay: float = 0.5,
         max_delay: float = 30.0,
         rng: random.Random | None = None,
+        shards: ShardHost | None = None,
     ) -> None:
         self.node = node
         self._host, self._port = host, port
@@ -59,6 +90,8 @@ class AgentLink:
         self._server_name = server_name or host
         self._initial_delay, self._max_delay = initial_delay, max_delay
         self._rng = rng or random.Random()
+        self._shards = shards
+        self._status_send, self._status_receive = trio.open_memory_channel[ShardStatus](math.inf)
         self.registrations = 0  # how many times a session was established (tests, status)
         self.connected = False
 
@@ -127,13 +160,39 @@ class AgentLink:
                 scheme=scheme,
             )
             inventory = await trio.to_thread.run_sync(self._discover, local_address)
-            await link.send(Register(node=self.node, agent_version=__version__, inventory=inventory))
+            # Register lists every shard as it is now, which supersedes any status reported
+            # while the link was down: drop those first, then take the snapshot.
+            self._drop_queued_statuses()
+            shards = tuple(self._shards.running()) if self._shards is not None else ()
+            await link.send(
+                Register(node=self.node, agent_version=__version__, inventory=inventory, shards=shards)
+            )
             reply = await link.receive()
         if isinstance(reply, Goodbye):
             raise JoinRefused(f"the server refused this agent: {reply.reason}")
         if not isinstance(reply, Registered):
             raise LinkClosed(f"expected Registered, got {type(reply).__name__}")
         return Liveness(interval=reply.heartbeat_interval, missed=reply.missed_heartbeats)
+
+    # --- shard status reports -------------------------------------------------------------------
+
+    def report(self, status: ShardStatus) -> None:
+        """Queues a shard status for the server (the supervisor's ``on_status``). Never blocks:
+        statuses are rare, and while the link is down the next Register supersedes them."""
+        self._status_send.send_nowait(status)
+
+    def _drop_queued_statuses(self) -> None:
+        while True:
+            try:
+                self._status_receive.receive_nowait()
+            except trio.WouldBlock:
+                return
+
+    async def _send_statuses(self, link: H2Link) -> None:
+        async for status in self._status_receive:
+            await link.send(status)
+
+    # --- a registered session -------------------------------------------------------------------
 
     async def _serve(self, link: H2Link, liveness: Liveness, local_address: str) -> str:
         """Runs a registered session until it ends; returns why."""
@@ -146,38 +205,54 @@ class AgentLink:
                     inventory = await trio.to_thread.run_sync(self._discover, local_address)
                 await link.send(Heartbeat(seq=seq, inventory=inventory))
 
+        async def execute(command: Message) -> None:
+            # Each command runs in its own task: a stop waits out a grace period, and the
+            # receive loop (heartbeats, other commands) must not wait with it.
+            reply = await self._execute(command)
+            await link.send(reply)
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_until_closed, send_heartbeats)
+            nursery.start_soon(_until_closed, self._send_statuses, link)
             nursery.start_soon(link.close_when_silent, liveness.window)
             try:
                 while True:
                     message = await link.receive()
-                    if isinstance(message, Goodbye):
-                        return f"the server said goodbye: {message.reason}"
-                    reply = self._answer(message)
-                    if reply is not None:
-                        await link.send(reply)
+                    match message:
+                        case Goodbye(reason=reason):
+                            return f"the server said goodbye: {reason}"
+                        case Heartbeat():
+                            pass
+                        case Ping(id=command_id, payload=payload):
+                            await link.send(Pong(reply_to=command_id, payload=payload, node=self.node))
+                        case StartShard() | StopShard() | DrainShard():
+                            nursery.start_soon(_until_closed, execute, message)
+                        case _:
+                            log.warning("ignoring a %s from the server: unknown here", type(message).__name__)
             except LinkClosed as exc:
                 # Caught here, inside the nursery, so it leaves as itself rather than in a group.
                 return str(exc)
             finally:
                 nursery.cancel_scope.cancel()
 
-    def _answer(self, message: Message) -> Message | None:
-        match message:
-            case Ping(id=command_id, payload=payload):
-                return Pong(reply_to=command_id, payload=payload, node=self.node)
-            case Heartbeat():
-                return None
-            case _:
-                log.warning(
-                    "ignoring a %s the server sent: this agent does not know it", type(message).__name__
-                )
-                return None
+    async def _execute(self, command: StartShard | StopShard | DrainShard) -> CommandResult:
+        if self._shards is None:
+            return CommandResult(reply_to=command.id, ok=False, message="this agent runs no shards")
+        match command:
+            case StartShard(spec=spec, engine_key=key):
+                log.info("start shard %s (replica %s, %s)", spec.shard_id, spec.replica_id, spec.engine)
+                ok, message = await self._shards.start(spec, key)
+            case StopShard(shard_id=shard_id, grace=grace):
+                log.info("stop shard %s", shard_id)
+                ok, message = await self._shards.stop(shard_id, grace)
+            case DrainShard(shard_id=shard_id, timeout=timeout):
+                log.info("drain shard %s", shard_id)
+                ok, message = await self._shards.drain(shard_id, timeout)
+        return CommandResult(reply_to=command.id, ok=ok, message=message)
 
 
-async def _until_closed(fn: Callable) -> None:
+async def _until_closed(fn: Callable, *args) -> None:
     try:
-        await fn()
+        await fn(*args)
     except LinkClosed:
         pass  # the receive loop reports why

@@ -104,3 +104,39 @@ def render_node(node: dict, now: float, console: Console) -> None:
     header.append(f"  heartbeat {age(now - node['last_seen'])}  agent {node['agent_version']}")
     console.print(header)
     render_inventory(converter.structure(node["inventory"], Inventory), console)
+    if node.get("shards"):
+        console.print(shards_table(node["shards"]))
+
+
+SHARD_STATE_STYLES = {"Ready": "green", "Failed": "red", "Loading": "yellow", "Starting": "yellow"}
+
+
+def compute_text(compute: dict | None) -> str:
+    """What a shard computes on: `gpu0 1,234 MiB, gpu1 ...`, `cpu`, or `-` while unknown."""
+    if compute is None:
+        return "-"
+    if not compute["gpus"]:
+        return "cpu"
+    return ", ".join(f"gpu{g['index']} {g['used_mib']:,} MiB" for g in compute["gpus"])
+
+
+def shards_table(shards: list[dict]) -> Table:
+    table = Table(box=None, pad_edge=False, title="shards", title_justify="left")
+    for column in ("SHARD", "REPLICA", "STATE", "ENGINE", "MODEL", "PID", "ON", "REASON"):
+        table.add_column(column, no_wrap=column != "REASON")
+    for shard in sorted(shards, key=lambda s: s["shard_id"]):
+        spec = shard.get("spec") or {}
+        state = Text(shard["state"], style=SHARD_STATE_STYLES.get(shard["state"], ""))
+        if shard.get("adopted"):
+            state.append(" (adopted)")
+        table.add_row(
+            shard["shard_id"],
+            shard["replica_id"],
+            state,
+            spec.get("engine", "-"),
+            spec.get("model", "-"),
+            str(shard["pid"] or "-"),
+            compute_text(shard.get("compute")),
+            shard.get("reason", ""),
+        )
+    return table

@@ -149,6 +149,7 @@ def node_json(node: Node) -> dict:
         "last_seen": node.last_seen,
         "state_since": node.state_since,
         "inventory": converter.unstructure(node.inventory),
+        "shards": [converter.unstructure(shard) for shard in node.shards.values()],
     }
 
 

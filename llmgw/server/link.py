@@ -22,7 +22,7 @@ from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
 from llmgw.server.nodes import NodeRegistry
 from llmgw.wire.h2link import LINK_PATH, H2Link, LinkClosed
-from llmgw.wire.messages import Goodbye, Heartbeat, Message, Register, Registered
+from llmgw.wire.messages import Goodbye, Heartbeat, Message, Register, Registered, ShardStatus
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ class LinkListener:
     def _on_message(self, node: str, message: Message) -> None:
         # Any message is a sign of life; a heartbeat may bring a fresher inventory.
         self._registry.heard(node, message.inventory if isinstance(message, Heartbeat) else None)
+        if isinstance(message, ShardStatus):
+            self._registry.shard_status(node, message)
 
 
 def _peer_name(transport: trio.abc.Stream) -> str:

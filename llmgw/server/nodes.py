@@ -20,9 +20,10 @@ import attrs
 import trio
 
 from llmgw.core.liveness import Liveness, NodeState, node_state
+from llmgw.core.shard import ShardSpec
 from llmgw.server.store import AsyncStore, NodeRow, Store
 from llmgw.wire.codec import converter
-from llmgw.wire.messages import Inventory, Register
+from llmgw.wire.messages import Compute, Inventory, Register, RunningShard, ShardState, ShardStatus
 
 if TYPE_CHECKING:
     from llmgw.wire.messages import Message
@@ -41,6 +42,36 @@ class Session(Protocol):
 
 
 @attrs.define
+class Shard:
+    """A shard as its agent last reported it. The agent is the truth: Register replaces the whole
+    set, statuses update it in between."""
+
+    shard_id: str
+    replica_id: str
+    state: str  # a ShardState value
+    since: float  # wall clock, for display
+    spec: ShardSpec | None = None  # None for a shard only known from a status
+    reason: str = ""
+    pid: int = 0
+    compute: Compute | None = None
+    log_tail: tuple[str, ...] = ()
+    adopted: bool = False
+
+    @classmethod
+    def from_running(cls, running: RunningShard, now: float) -> Shard:
+        return cls(
+            shard_id=running.spec.shard_id,
+            replica_id=running.spec.replica_id,
+            state=running.state,
+            since=now,
+            spec=running.spec,
+            pid=running.pid,
+            compute=running.compute,
+            adopted=running.adopted,
+        )
+
+
+@attrs.define
 class Node:
     name: str
     agent_version: str
@@ -51,6 +82,7 @@ class Node:
     state_since: float  # wall clock, for display
     last_heard: float  # trio clock, for decisions
     session: Session | None = None
+    shards: dict[str, Shard] = attrs.field(factory=dict)
 
     @property
     def connected(self) -> bool:
@@ -121,6 +153,7 @@ class NodeRegistry:
             node.agent_version, node.inventory = register.agent_version, register.inventory
             node.last_heard, node.last_seen = now, wall
         node.session = session
+        node.shards = {s.spec.shard_id: Shard.from_running(s, wall) for s in register.shards}
         if previous_session is not None:
             log.info("node %s: a new link replaces the old one", node.name)
             previous_session.close("replaced by a newer link from the same node")
@@ -133,6 +166,40 @@ class NodeRegistry:
         node.last_heard, node.last_seen = trio.current_time(), time.time()
         if inventory is not None:
             node.inventory = inventory
+
+    def shard_status(self, name: str, status: ShardStatus) -> None:
+        node = self._nodes.get(name)
+        if node is None:
+            return
+        wall = time.time()
+        shard = node.shards.get(status.shard_id)
+        if status.state == ShardState.STOPPED:
+            node.shards.pop(status.shard_id, None)
+        elif shard is None:
+            node.shards[status.shard_id] = Shard(
+                shard_id=status.shard_id,
+                replica_id=status.replica_id,
+                state=status.state,
+                since=wall,
+                reason=status.reason,
+                pid=status.pid,
+                compute=status.compute,
+                log_tail=status.log_tail,
+            )
+        else:
+            if shard.state != status.state:
+                shard.state, shard.since = status.state, wall
+            shard.reason = status.reason
+            shard.pid = status.pid or shard.pid
+            shard.compute = status.compute or shard.compute
+            shard.log_tail = status.log_tail or shard.log_tail
+        log.info(
+            "node %s: shard %s %s%s",
+            name,
+            status.shard_id,
+            status.state,
+            f" ({status.reason})" if status.reason else "",
+        )
 
     def detach(self, session: Session, reason: str) -> None:
         node = self._nodes.get(session.node)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.core.shard import ShardSpec
+
 frozen = attrs.frozen(kw_only=True)
 
 
@@ -86,13 +88,46 @@ class Inventory:
     gpu_note: str = ""
 
 
+class ShardState:
+    """A shard's life on its node, as the agent reports it."""
+
+    STARTING = "Starting"  # processes launched, the engine does not answer /health yet
+    LOADING = "Loading"  # /health answers, the model is not served yet (/v1/models)
+    READY = "Ready"  # serving
+    DRAINING = "Draining"  # waiting for in-flight requests before stopping
+    STOPPED = "Stopped"  # stopped on request
+    FAILED = "Failed"  # exited or refused to start; see reason and log tail
+
+
+@frozen
+class GpuUse:
+    """GPU memory held by a shard's processes on one card (NVML per-process accounting)."""
+
+    index: int
+    uuid: str
+    used_mib: int
+
+
+@frozen
+class Compute:
+    """What a shard computes on: GPUs and memory, or the CPU when it holds none."""
+
+    gpus: tuple[GpuUse, ...] = ()
+
+    @property
+    def on_cpu(self) -> bool:
+        return not self.gpus
+
+
 @frozen
 class RunningShard:
-    """A shard the agent is running (filled in by the supervisor issue)."""
+    """A shard the agent runs, as listed in every Register."""
 
-    shard_id: str
-    replica_id: str = ""
-    state: str = ""
+    spec: ShardSpec
+    state: str  # a ShardState value
+    pid: int = 0  # the engine's (the last command's) pid
+    compute: Compute | None = None  # None until known
+    adopted: bool = False  # started by an earlier agent process
 
 
 # --- link messages ------------------------------------------------------------------------------
@@ -144,11 +179,89 @@ class Pong:
 
 
 @frozen
+class StartShard:
+    """Run a shard. A StartShard for a shard that already runs is a no-op."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    spec: ShardSpec
+    # The replica's engine key. Never logged (repr=False), never put in argv where the engine
+    # takes it from its environment.
+    engine_key: str | None = attrs.field(default=None, repr=False)
+
+
+@frozen
+class StopShard:
+    """Stop a shard: SIGTERM to each process group, SIGKILL after ``grace`` seconds."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    shard_id: str
+    grace: float = 30.0
+
+
+@frozen
+class DrainShard:
+    """Stop a shard once its engine has no request running, or after ``timeout`` seconds."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    shard_id: str
+    timeout: float = 60.0
+
+
+@frozen
+class CommandResult:
+    """The agent's answer to a command other than Ping."""
+
+    reply_to: int
+    ok: bool
+    message: str = ""  # why not, or what happened ("already running", "not running")
+
+
+@frozen
+class ShardStatus:
+    """A shard changed state (or learned its compute); sent by the agent as it happens."""
+
+    shard_id: str
+    replica_id: str
+    state: str  # a ShardState value
+    reason: str = ""
+    pid: int = 0
+    compute: Compute | None = None
+    log_tail: tuple[str, ...] = ()  # the last lines of output, on failure
+
+
+@frozen
 class Goodbye:
     """Sent before a side closes the stream on purpose (shutdown, replaced by a newer link)."""
 
     reason: str = ""
 
 
-Message = Register | Registered | Heartbeat | Ping | Pong | Goodbye
-MESSAGE_TYPES: tuple[type, ...] = (Register, Registered, Heartbeat, Ping, Pong, Goodbye)
+Message = (
+    Register
+    | Registered
+    | Heartbeat
+    | Ping
+    | Pong
+    | StartShard
+    | StopShard
+    | DrainShard
+    | CommandResult
+    | ShardStatus
+    | Goodbye
+)
+MESSAGE_TYPES: tuple[type, ...] = (
+    Register,
+    Registered,
+    Heartbeat,
+    Ping,
+    Pong,
+    StartShard,
+    StopShard,
+    DrainShard,
+    CommandResult,
+    ShardStatus,
+    Goodbye,
+)

