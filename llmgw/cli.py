@@ -160,6 +160,12 @@ def _run_role(role, config) -> int:
     """Runs a role until it ends, Ctrl-C or SIGTERM; either signal is a graceful stop."""
 
     async def until_signal() -> None:
+        # A signal sent to the whole process group arrives twice under the frozen binary (once
+        # directly, once forwarded by PyInstaller's launcher), and trio re-delivers what is
+        # pending when the receiver closes. With "ignore" as the handler it restores, the repeat
+        # cannot kill us halfway through cleanup. The first signal already starts the stop.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 await nursery.start(role, config)

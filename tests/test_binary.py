@@ -96,17 +96,7 @@ def test_agent_inventory_reaches_nvml(binary):
 # whole process group, so Python gets the signal directly and a second time from the bootloader.
 @pytest.mark.parametrize(
     "target",
-    [
-        "pid",
-        pytest.param(
-            "group",
-            marks=pytest.mark.xfail(
-                reason="the bootloader's forwarded copy of a group signal is re-raised by trio after"
-                " cli._run_role's signal receiver closes, killing the server mid-cleanup",
-                strict=False,
-            ),
-        ),
-    ],
+    ["pid", "group"],
 )
 def test_server_serves_and_stops_cleanly(binary, frozen_env, tmp_path, target):
     data_dir = tmp_path / "data"
