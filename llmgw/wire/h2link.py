@@ -23,6 +23,7 @@ waiter sees :class:`LinkClosed`. Nothing propagates to the listener that accepte
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 
@@ -97,6 +98,7 @@ class H2Link:
         self._kick_writer = trio.Event()
         self._send_lock = trio.Lock()
         self._writer_busy = False
+        self._writer_running = False
         self.last_heard = trio.current_time()  # trio clock: when bytes last arrived
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -150,8 +152,13 @@ class H2Link:
         except h2.exceptions.ProtocolError:
             pass
         with trio.move_on_after(CLOSE_GRACE):
-            while self._writer_busy or self._kick_writer.is_set():
-                await self._changed.wait()
+            if self._writer_running:
+                while self._writer_busy or self._kick_writer.is_set():
+                    await self._changed.wait()
+            else:
+                # The writer is gone (its nursery was cancelled): the socket is ours to use.
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await self._transport.send_all(self._conn.data_to_send())
         self._close(reason)
         await self._transport.aclose()
 
@@ -265,6 +272,13 @@ class H2Link:
         self._kick_writer.set()
 
     async def _write_loop(self) -> None:
+        self._writer_running = True
+        try:
+            await self._write_forever()
+        finally:
+            self._writer_running = False
+
+    async def _write_forever(self) -> None:
         while True:
             await self._kick_writer.wait()
             # A new event first: a kick that arrives while we send is seen on the next turn.
