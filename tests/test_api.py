@@ -21,6 +21,7 @@ from llmgw.server.store import AsyncStore
 from llmgw.wire.messages import Gpu, Inventory, Ping, Pong, Register
 
 ADMIN_TOKEN = "admin-secret"
+ENGINE_SECRET = b"s" * 32
 
 GPU_INVENTORY = Inventory(
     hostname="gpu-1",
@@ -88,7 +89,9 @@ async def admin(tmp_path: Path, nursery):
         SilentSession("stuck-1"),
         Register(node="stuck-1", agent_version="0.1.0", inventory=attrs.evolve(GPU_INVENTORY, gpus=())),
     )
-    port = await nursery.start(serve_admin, registry, tokens.digest(ADMIN_TOKEN), "127.0.0.1", 0)
+    port = await nursery.start(
+        serve_admin, registry, tokens.digest(ADMIN_TOKEN), ENGINE_SECRET, "127.0.0.1", 0
+    )
     yield Api(f"http://127.0.0.1:{port}", registry)
     nursery.cancel_scope.cancel()
     await store.aclose()
@@ -224,7 +227,9 @@ async def test_serve_admin_stops_when_cancelled(tmp_path: Path):
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_admin, registry, tokens.digest(ADMIN_TOKEN), "127.0.0.1", 0)
+            port = await nursery.start(
+                serve_admin, registry, tokens.digest(ADMIN_TOKEN), ENGINE_SECRET, "127.0.0.1", 0
+            )
             assert (await fetch("GET", f"http://127.0.0.1:{port}/healthz"))[0] == 200
             nursery.cancel_scope.cancel()
     await store.aclose()

@@ -13,6 +13,7 @@ import logging
 import secrets
 from urllib.parse import urlsplit
 
+import cattrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
@@ -21,11 +22,13 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from llmgw import __version__
+from llmgw.core.keys import engine_key
+from llmgw.core.shard import ShardSpec
 from llmgw.server import tokens
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
-from llmgw.wire.messages import Ping, Pong
+from llmgw.wire.messages import CommandResult, Ping, Pong, StartShard, StopShard
 
 log = logging.getLogger(__name__)
 # hypercorn's errors, under our name. Its info lines only announce the bind, which run.py's
@@ -40,6 +43,8 @@ ADMIN_PREFIX = "/admin/"
 # A healthy agent answers in milliseconds; after 5 s the link or the agent is stuck, and an
 # operator waiting at a prompt should hear so rather than hang.
 PING_TIMEOUT = 5.0
+# Starting a shard answers once its processes are launched, not once the model is loaded.
+COMMAND_TIMEOUT = 30.0
 
 ROUTING_MESSAGES = {
     404: "no such endpoint (is ctl newer than this server?)",
@@ -55,6 +60,7 @@ UNAUTHORIZED_MESSAGE = (
 async def serve_admin(
     registry: NodeRegistry,
     admin_digest: bytes,
+    engine_secret: bytes | None,
     host: str,
     port: int,
     *,
@@ -71,11 +77,11 @@ async def serve_admin(
     async with trio.open_nursery() as nursery:
         # hypercorn reports its binds as URLs ("http://127.0.0.1:40313", "http://[::1]:40313")
         # made from getsockname(), so the port in them is the one actually bound.
-        binds = await nursery.start(serve, make_app(registry, admin_digest), config)
+        binds = await nursery.start(serve, make_app(registry, admin_digest, engine_secret), config)
         task_status.started(urlsplit(binds[0]).port)
 
 
-def make_app(registry: NodeRegistry, admin_digest: bytes) -> QuartTrio:
+def make_app(registry: NodeRegistry, admin_digest: bytes, engine_secret: bytes | None = None) -> QuartTrio:
     app = QuartTrio(__name__)
 
     @app.before_request
@@ -123,6 +129,53 @@ def make_app(registry: NodeRegistry, admin_digest: bytes) -> QuartTrio:
         payload_ok = isinstance(reply, Pong) and reply.payload == payload
         return jsonify(node=name, rtt_ms=round(rtt_ms, 3), payload_ok=payload_ok)
 
+    def key_of(replica_id: str) -> str | None:
+        return None if engine_secret is None else engine_key(engine_secret, replica_id)
+
+    # Shards by hand: the way to run an engine on a node until the catalog and the reconciler
+    # place replicas themselves. The engine key is derived here, never sent by the caller.
+    @app.post("/admin/v1/nodes/<name>/shards")
+    async def start_shard(name: str) -> Response:
+        if registry.get(name) is None:
+            return _node_not_found(name)
+        body = await request.get_json(silent=True)
+        try:
+            spec = converter.structure(body, ShardSpec)
+        except (cattrs.BaseValidationError, TypeError, AttributeError) as e:
+            return _error(400, "invalid_request", f"not a shard spec: {_first_problem(e)}")
+        start = StartShard(id=0, spec=spec, engine_key=key_of(spec.replica_id))
+        return await _command(name, start)
+
+    @app.delete("/admin/v1/nodes/<name>/shards/<shard_id>")
+    async def stop_shard(name: str, shard_id: str) -> Response:
+        if registry.get(name) is None:
+            return _node_not_found(name)
+        grace = request.args.get("grace", default=30.0, type=float)
+        return await _command(name, StopShard(id=0, shard_id=shard_id, grace=grace), wait=grace + 30)
+
+    @app.get("/admin/v1/replicas/<replica_id>/engine-key")
+    async def replica_engine_key(replica_id: str) -> Response:
+        # For operators' tools (bench straight at an engine); the admin token guards it.
+        key = key_of(replica_id)
+        if key is None:
+            return _error(409, "no_engine_keys", "this server has no store secret; engines run without a key")
+        return jsonify(replica_id=replica_id, key=key)
+
+    async def _command(
+        name: str, command: StartShard | StopShard, timeout: float = COMMAND_TIMEOUT
+    ) -> Response:
+        try:
+            with trio.fail_after(wait):
+                reply = await registry.call(name, command)
+        except (NodeUnavailable, LinkClosed) as e:
+            return _error(409, "node_unavailable", f'node "{name}" is not connected: {e}')
+        except trio.TooSlowError:
+            return _error(504, "timeout", f'node "{name}" did not answer within {wait:g} s')
+        if not isinstance(reply, CommandResult) or not reply.ok:
+            message = reply.message if isinstance(reply, CommandResult) else "unexpected reply"
+            return _error(409, "refused", f'node "{name}": {message}')
+        return jsonify(node=name, ok=True, message=reply.message)
+
     @app.errorhandler(HTTPException)
     async def http_error(e: HTTPException) -> Response:
         # Routing's 404 and 405; werkzeug's descriptions are written for browsers.
@@ -151,6 +204,13 @@ def node_json(node: Node) -> dict:
         "inventory": converter.unstructure(node.inventory),
         "shards": [converter.unstructure(shard) for shard in node.shards.values()],
     }
+
+
+def _first_problem(exc: BaseException) -> str:
+    """cattrs' nested validation errors as one line, each naming its field ("... @ $.port")."""
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc)) or str(exc)
+    return str(exc)
 
 
 def _node_not_found(name: str) -> Response:

@@ -13,6 +13,7 @@ import attrs
 import trio
 
 from llmgw.config import ServerConfig
+from llmgw.core import keys
 from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
 from llmgw.server.api import serve_admin
@@ -39,6 +40,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
     try:
         join_digest = await _token_digest(store, "join_token_sha256", config.join_token_path)
         admin_digest = await _token_digest(store, "admin_token_sha256", config.admin_token_path)
+        engine_secret = await store.write(Store.ensure_secret, keys.SECRET_NAME, keys.new_secret, time.time())
         registry = NodeRegistry(
             store, Liveness(interval=config.link.heartbeat_interval, missed=config.link.missed_heartbeats)
         )
@@ -54,7 +56,12 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 listener.serve, config.link.listen.host, config.link.listen.port
             )
             admin_port = await nursery.start(
-                serve_admin, registry, admin_digest, config.admin.listen.host, config.admin.listen.port
+                serve_admin,
+                registry,
+                admin_digest,
+                engine_secret,
+                config.admin.listen.host,
+                config.admin.listen.port,
             )
             nursery.start_soon(registry.run)
             endpoints = Endpoints(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmgw.core.gpu_class import gpu_class
-from llmgw.wire.messages import ForeignProcess, Gpu
+from llmgw.wire.messages import ForeignProcess, Gpu, GpuUse
 
 MIB = 2**20
 
@@ -71,6 +71,39 @@ def _read_gpu(nvml: Any, index: int, own_pids: frozenset[int]) -> Gpu:
         ),
         problems=tuple(problems),
     )
+
+
+def gpu_memory_by_pid(nvml: Any = None) -> dict[int, tuple[GpuUse, ...]]:
+    """GPU memory each process holds, by pid: one GpuUse per card, in index order.
+
+    Empty without NVML, or when it fails: the caller then sees no process on any GPU, which for a
+    shard means it computes on the CPU as far as anyone can tell. Pids are as the host sees them.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return {}
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:
+        return {}
+    uses: dict[int, list[GpuUse]] = {}
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            held: dict[int, int] = {}
+            for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                # None where the driver cannot say: the process holds a context all the same.
+                held[process.pid] = held.get(process.pid, 0) + (process.usedGpuMemory or 0)
+            for pid, used in held.items():
+                uses.setdefault(pid, []).append(GpuUse(index=index, uuid=uuid, used_mib=used // MIB))
+    except nvml.NVMLError:
+        return {}
+    finally:
+        nvml.nvmlShutdown()
+    return {pid: tuple(cards) for pid, cards in uses.items()}
 
 
 def _ecc_uncorrected(nvml: Any, handle: Any) -> int:

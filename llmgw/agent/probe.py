@@ -1,0 +1,97 @@
+"""What the agent asks an engine over HTTP: one GET at a time, and what /metrics says about load.
+
+A bare trio + h11 client: one connection per request (``Connection: close``), which suits a
+health check every second or so and needs no pool.
+"""
+
+from __future__ import annotations
+
+import h11
+import trio
+
+# /metrics of a vLLM with many adapters runs to a few hundred KiB; anything far past that is not
+# an engine answering.
+MAX_BODY_BYTES = 4 * 2**20
+RECEIVE_BYTES = 64 * 2**10
+
+# Requests an engine holds, running or queued, by engine: a drain waits for all of them.
+BUSY_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "llamacpp:requests_processing",
+    "llamacpp:requests_deferred",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+)
+
+
+class ProbeFailed(Exception):
+    """No HTTP answer: refused, reset, timed out, or not HTTP."""
+
+
+# A timeout parameter (not the caller's cancel scope): a probe without a bound is a hang waiting to
+# happen, so every caller must choose one.
+async def http_get(
+    host: str,
+    port: int,
+    path: str,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float,  # noqa: ASYNC109
+) -> tuple[int, bytes]:
+    """The status and body of ``GET path``; raises ProbeFailed without an answer in ``timeout``."""
+    try:
+        with trio.fail_after(timeout):
+            return await _get(host, port, path, headers or {})
+    except trio.TooSlowError:
+        raise ProbeFailed(f"no answer from {host}:{port}{path} within {timeout}s") from None
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+        raise ProbeFailed(f"GET {host}:{port}{path}: {exc}") from None
+
+
+async def _get(host: str, port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        connection = h11.Connection(h11.CLIENT)
+        request = h11.Request(
+            method="GET",
+            target=path,
+            headers=[("Host", f"{host}:{port}"), ("Connection", "close"), *headers.items()],
+        )
+        await stream.send_all(connection.send(request) + connection.send(h11.EndOfMessage()))
+        status = 0
+        body = bytearray()
+        while True:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                connection.receive_data(await stream.receive_some(RECEIVE_BYTES))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > MAX_BODY_BYTES:
+                    raise ProbeFailed(f"{host}:{port}{path} answered more than {MAX_BODY_BYTES} bytes")
+            elif isinstance(event, h11.EndOfMessage):
+                return status, bytes(body)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ProbeFailed(f"{host}:{port}{path} closed the connection without answering")
+
+
+def busy_requests(metrics: str) -> int | None:
+    """Requests running or queued, from Prometheus text; None when no known metric is there."""
+    total: float | None = None
+    for line in metrics.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name = line[: line.index("{")]
+            rest = line[line.rindex("}") + 1 :].split()
+        else:
+            name, *rest = line.split()
+        if name in BUSY_METRICS and rest:
+            try:
+                value = float(rest[0])
+            except ValueError:
+                continue
+            total = (total or 0.0) + value
+    return None if total is None else round(total)

@@ -1,0 +1,179 @@
+"""The catalog: models, and the profiles that say how a model is served.
+
+A profile is checked as a whole when the catalog is loaded, so that a mistake is reported once, at
+the field that holds it, instead of as a replica that never places or an engine that fails minutes
+into loading on some node. What can only be judged against a node's GPUs (fp8 on an old card, the
+adapters a fabric offers) is left to :mod:`llmgw.core.engines.validate` at launch.
+
+Every type here is frozen attrs over plain values (str, int, float, bool, tuple, None) and nested
+attrs, so cattrs structures them from the server's configuration without hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from llmgw.core.shard import ENGINES, LAUNCHERS, Adapter
+
+frozen = attrs.frozen(kw_only=True)
+
+MODEL_FORMATS = ("gguf", "safetensors")
+_DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+
+
+@frozen
+class Model:
+    name: str  # what clients ask for
+    path: str  # weights location on the nodes: a .gguf file, a directory or a hub id
+    format: str  # one of MODEL_FORMATS
+
+
+@frozen
+class Profile:
+    name: str
+    model: str  # a Model's name
+    engine: str  # one of ENGINES
+    gpu_class: str | None  # e.g. "l40s-45g"; None = runs on the CPU (llama.cpp only)
+    gpus_per_node: int = 0
+    nodes: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    # MiB per GPU for a GPU profile; host memory for a CPU profile.
+    memory_mib: int
+    cpu_cores: int = 1  # CPU profiles only: a GPU profile's host needs are not modelled
+    launcher: str = "mp"  # one of LAUNCHERS
+    flags: tuple[str, ...] = ()  # extra argv tokens for the engine
+    adapters: tuple[Adapter, ...] = ()
+    ctx_size: int | None = None
+    parallel: int | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    min_replicas: int = 1
+    max_replicas: int = 1
+    band: int = 0  # priority band, higher wins; below 0 is allowed, for work that yields to all
+    startup_timeout: float = 600.0  # seconds from start until the engine serves the model
+    # Placement's score: False packs replicas onto the fullest nodes that fit, keeping whole
+    # nodes free for large profiles; True spreads them over the emptiest.
+    spread: bool = False
+
+
+def validate_model(model: Model) -> list[str]:
+    """Why ``model`` cannot be in the catalog; empty when it can."""
+    where = f"models.{model.name}"
+    reasons = []
+    if not model.name:
+        reasons.append("models: a model needs a name")
+    if not model.path:
+        reasons.append(f"{where}.path: empty")
+    if model.format not in MODEL_FORMATS:
+        reasons.append(f"{where}.format: {model.format!r} is not one of {', '.join(MODEL_FORMATS)}")
+    elif model.format == "gguf" and not model.path.endswith(".gguf"):
+        # llama.cpp loads one file; a directory of shards has to be merged first.
+        reasons.append(f"{where}.path: a gguf model is one .gguf file, and {model.path!r} is not one")
+    return reasons
+
+
+def validate_profile(profile: Profile, models: Mapping[str, Model]) -> list[str]:
+    """Why ``profile`` cannot be served, each reason led by the field that holds the mistake."""
+    where = f"profiles.{profile.name}"
+    reasons = [f"{where}.{field}: {reason}" for field, reason in _field_reasons(profile, models)]
+    if not profile.name:
+        reasons.insert(0, "profiles: a profile needs a name")
+    return reasons
+
+
+def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[str, str]]:
+    reasons = _bounds(profile)
+    model = models.get(profile.model)
+    if model is None:
+        reasons.append(("model", f"no model named {profile.model!r} in the catalog"))
+    if profile.engine not in ENGINES:
+        reasons.append(("engine", f"{profile.engine!r} is not one of {', '.join(ENGINES)}"))
+        return reasons
+    engine = _DISPLAY_NAMES[profile.engine]
+    if profile.launcher not in LAUNCHERS:
+        reasons.append(("launcher", f"{profile.launcher!r} is not one of {', '.join(LAUNCHERS)}"))
+    elif profile.launcher == "ray" and profile.engine != "vllm":
+        reasons.append(("launcher", f"'ray' is for vLLM only; {engine} starts its own ranks"))
+    if profile.engine == "llamacpp":
+        if profile.nodes > 1:
+            reasons.append(("nodes", f"llama.cpp runs on one node, not {profile.nodes}"))
+        if model is not None and model.format != "gguf":
+            reasons.append(("model", f"llama.cpp loads gguf, and {model.name!r} is {model.format}"))
+    if profile.gpu_class is None:
+        reasons.extend(_cpu_reasons(profile, engine))
+    else:
+        reasons.extend(_gpu_reasons(profile))
+    if profile.min_replicas > profile.max_replicas >= 0:
+        reasons.append(
+            ("min_replicas", f"{profile.min_replicas} is above max_replicas {profile.max_replicas}")
+        )
+    return reasons
+
+
+def _bounds(profile: Profile) -> list[tuple[str, str]]:
+    reasons = []
+    for field, floor in (
+        ("nodes", 1),
+        ("tensor_parallel", 1),
+        ("pipeline_parallel", 1),
+        ("gpus_per_node", 0),
+        ("cpu_cores", 1),
+        ("memory_mib", 1),
+        ("min_replicas", 0),
+        ("max_replicas", 0),
+    ):
+        value = getattr(profile, field)
+        if value < floor:
+            reasons.append((field, f"must be at least {floor}, not {value}"))
+    for field in ("ctx_size", "parallel"):
+        value = getattr(profile, field)
+        if value is not None and value < 1:
+            reasons.append((field, f"must be at least 1 when set, not {value}"))
+    if not profile.startup_timeout > 0:
+        reasons.append(("startup_timeout", f"must be above 0 seconds, not {profile.startup_timeout}"))
+    return reasons
+
+
+def _cpu_reasons(profile: Profile, engine: str) -> list[tuple[str, str]]:
+    if profile.engine != "llamacpp":
+        return [("gpu_class", f"{engine} needs GPUs and none is set (only llama.cpp runs on the CPU)")]
+    reasons = []
+    if profile.gpus_per_node:
+        reasons.append(
+            ("gpus_per_node", f"{profile.gpus_per_node} GPUs on a CPU profile: set gpu_class to use GPUs")
+        )
+    if (profile.tensor_parallel, profile.pipeline_parallel) != (1, 1):
+        reasons.append(
+            (
+                "tensor_parallel",
+                f"{profile.tensor_parallel} × pipeline {profile.pipeline_parallel} on a CPU profile, "
+                "which runs as 1 × 1",
+            )
+        )
+    return reasons
+
+
+def _gpu_reasons(profile: Profile) -> list[tuple[str, str]]:
+    if not profile.gpu_class:
+        return [("gpu_class", "empty; leave it unset for a CPU profile")]
+    if profile.gpus_per_node == 0:
+        return [("gpus_per_node", f"a {profile.gpu_class} profile needs at least 1 GPU per node, not 0")]
+    tp, pp = profile.tensor_parallel, profile.pipeline_parallel
+    gpus = profile.nodes * profile.gpus_per_node
+    if tp >= 1 and pp >= 1 and gpus >= 1 and tp * pp != gpus:
+        # Each rank takes one GPU: any other count leaves cards idle or ranks without one.
+        return [
+            (
+                "tensor_parallel",
+                f"{tp} × pipeline {pp} needs {_count(tp * pp, 'GPU')}, the profile has "
+                f"{_count(profile.nodes, 'node')} × {_count(profile.gpus_per_node, 'GPU')}",
+            )
+        ]
+    return []
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
