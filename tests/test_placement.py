@@ -75,7 +75,9 @@ def gpu_profile(**changes: object) -> Profile:
 
 
 def cpu_profile(**changes: object) -> Profile:
-    base = Profile(name="tiny", model="smol", engine="llamacpp", gpu_class=None, memory_mib=4_096, cpu_cores=4)
+    base = Profile(
+        name="tiny", model="smol", engine="llamacpp", gpu_class=None, memory_mib=4_096, cpu_cores=4
+    )
     return attrs.evolve(base, **changes)
 
 
@@ -109,17 +111,26 @@ def test_a_valid_profile_has_no_errors():
         ({"model": "gpt-9"}, "profiles.chat.model: no model named 'gpt-9' in the catalog"),
         ({"engine": "tgi"}, "profiles.chat.engine: 'tgi' is not one of vllm, sglang, llamacpp"),
         ({"launcher": "slurm"}, "profiles.chat.launcher: 'slurm' is not one of mp, ray"),
-        ({"engine": "sglang", "launcher": "ray"}, "profiles.chat.launcher: 'ray' is for vLLM only; SGLang starts its own ranks"),
+        (
+            {"engine": "sglang", "launcher": "ray"},
+            "profiles.chat.launcher: 'ray' is for vLLM only; SGLang starts its own ranks",
+        ),
         (
             {"engine": "llamacpp", "nodes": 2, "model": "smol"},
             "profiles.chat.nodes: llama.cpp runs on one node, not 2",
         ),
-        ({"engine": "llamacpp"}, "profiles.chat.model: llama.cpp loads gguf, and 'llama-3-70b' is safetensors"),
+        (
+            {"engine": "llamacpp"},
+            "profiles.chat.model: llama.cpp loads gguf, and 'llama-3-70b' is safetensors",
+        ),
         (
             {"gpu_class": None, "gpus_per_node": 0, "tensor_parallel": 1},
             "profiles.chat.gpu_class: vLLM needs GPUs and none is set (only llama.cpp runs on the CPU)",
         ),
-        ({"gpus_per_node": 0, "tensor_parallel": 1}, "profiles.chat.gpus_per_node: a l40s-45g profile needs at least 1 GPU per node, not 0"),
+        (
+            {"gpus_per_node": 0, "tensor_parallel": 1},
+            "profiles.chat.gpus_per_node: a l40s-45g profile needs at least 1 GPU per node, not 0",
+        ),
         ({"gpu_class": ""}, "profiles.chat.gpu_class: empty; leave it unset for a CPU profile"),
         ({"min_replicas": 3, "max_replicas": 2}, "profiles.chat.min_replicas: 3 is above max_replicas 2"),
         ({"memory_mib": 0}, "profiles.chat.memory_mib: must be at least 1, not 0"),
@@ -137,7 +148,10 @@ def test_gpu_profile_errors_name_the_field(changes, error):
 @pytest.mark.parametrize(
     ("changes", "error"),
     [
-        ({"gpus_per_node": 2}, "profiles.tiny.gpus_per_node: 2 GPUs on a CPU profile: set gpu_class to use GPUs"),
+        (
+            {"gpus_per_node": 2},
+            "profiles.tiny.gpus_per_node: 2 GPUs on a CPU profile: set gpu_class to use GPUs",
+        ),
         (
             {"tensor_parallel": 2},
             "profiles.tiny.tensor_parallel: 2 × pipeline 1 on a CPU profile, which runs as 1 × 1",
@@ -196,7 +210,9 @@ def test_every_reason_text():
         nodes=(
             node("node-2", gpus=4, gpu_class="h100-80g"),
             node("node-3", gpus=(gpu(0), gpu(1), gpu(2, allocated=True), gpu(3, allocated=True))),
-            node("node-4", gpus=(gpu(0, free=10_240), gpu(1), gpu(2, allocated=True), gpu(3, allocated=True))),
+            node(
+                "node-4", gpus=(gpu(0, free=10_240), gpu(1), gpu(2, allocated=True), gpu(3, allocated=True))
+            ),
             node(
                 "node-5",
                 gpus=(gpu(0, allocated=True), gpu(1, healthy=False, problems=("ecc-uncorrected",)), gpu(2)),
@@ -359,7 +375,11 @@ def test_apply_holds_gpus_memory_cores_and_ports():
     cpu = placed(place(after, cpu_profile(), PORTS))
     assert cpu.shards == (ShardPlacement(node="n-1", rank=0, port=20002),)
     n1 = apply(after, cpu, cpu_profile()).nodes[0]
-    assert (n1.memory_free_mib, n1.cpu_cores_free, n1.ports_in_use) == (64_000 - 4_096, 12, {20000, 20001, 20002})
+    assert (n1.memory_free_mib, n1.cpu_cores_free, n1.ports_in_use) == (
+        64_000 - 4_096,
+        12,
+        {20000, 20001, 20002},
+    )
 
 
 def test_shard_specs_carry_the_placement_and_the_profile_and_pass_launch_checks():
@@ -412,7 +432,7 @@ def test_single_node_and_cpu_specs_use_no_fabric_and_pass_launch_checks():
 CLASSES = ("l40s-45g", "h100-80g")
 # Most nodes and profiles share a class, so that multi-node placements happen often enough.
 CLASS_MIX = ("h100-80g", "h100-80g", "h100-80g", "l40s-45g")
-FABRICS = ("", "ib-a", "ib-b", "ib-b")
+FABRICS = ("", "ib-a", "ib-a", "ib-a", "ib-b")
 # A narrow range, so that running out of ports is as likely as running out of GPUs.
 SMALL_PORTS = (100, 103)
 
@@ -441,9 +461,9 @@ def gpu_views(draw, index: int, node_class: str, calm: bool) -> GpuView:
 
 
 @st.composite
-def node_views(draw, name: str, calm: bool) -> NodeView:
-    count = draw(st.integers(0, 6))
-    node_class = draw(st.sampled_from(CLASS_MIX))
+def node_views(draw, name: str, main_class: str, calm: bool) -> NodeView:
+    count = draw(st.integers(0, 8))
+    node_class = draw(st.sampled_from([main_class] * 4 + list(CLASSES)))
     # Indices out of order: discovery lists them in order, placement must not rely on it.
     indices = draw(st.permutations(range(count)))
     return NodeView(
@@ -454,7 +474,9 @@ def node_views(draw, name: str, calm: bool) -> NodeView:
         gpus=tuple(draw(gpu_views(i, node_class, calm)) for i in indices),
         memory_free_mib=draw(st.sampled_from([0, 2_048, 8_192, 65_536])),
         cpu_cores_free=draw(st.integers(0, 8)),
-        ports_in_use=frozenset(draw(st.sets(st.integers(SMALL_PORTS[0] - 1, SMALL_PORTS[1] + 1), max_size=5))),
+        ports_in_use=frozenset(
+            draw(st.sets(st.integers(SMALL_PORTS[0] - 1, SMALL_PORTS[1] + 1), max_size=3))
+        ),
     )
 
 
@@ -465,7 +487,8 @@ def clusters(draw) -> ClusterView:
     names = draw(st.permutations([f"n{i}" for i in range(12)]))[:count]
     # A calm cluster has few busy or broken cards: multi-node requests find room there.
     calm = draw(st.booleans())
-    return ClusterView(nodes=tuple(draw(node_views(name, calm)) for name in names))
+    main_class = draw(st.sampled_from(CLASS_MIX))
+    return ClusterView(nodes=tuple(draw(node_views(name, main_class, calm)) for name in names))
 
 
 @st.composite
@@ -543,9 +566,10 @@ def check_placement(cluster: ClusterView, profile: Profile, placement: Placement
             assert len(shard.gpu_indices) == profile.gpus_per_node
             assert all(usable(gpus[i], profile) for i in shard.gpu_indices)
             # The lowest indices that would do.
-            assert list(shard.gpu_indices) == sorted(i for i in gpus if usable(gpus[i], profile))[
-                : profile.gpus_per_node
-            ]
+            assert (
+                list(shard.gpu_indices)
+                == sorted(i for i in gpus if usable(gpus[i], profile))[: profile.gpus_per_node]
+            )
     if profile.nodes > 1 or profile.launcher == "ray":
         rendezvous = shards[0].rendezvous_port
         assert rendezvous != shards[0].port and rendezvous not in leader.ports_in_use
@@ -587,7 +611,9 @@ def test_placements_applied_in_turn_never_share_a_gpu_nor_oversubscribe(cluster,
             for index in shard.gpu_indices:
                 assert (shard.node, index) not in given_out
                 given_out.add((shard.node, index))
-            held = {shard.port} | ({shard.rendezvous_port} if shard.rank == 0 and shard.rendezvous_port else set())
+            held = {shard.port} | (
+                {shard.rendezvous_port} if shard.rank == 0 and shard.rendezvous_port else set()
+            )
             assert not ports & {(shard.node, p) for p in held}
             ports |= {(shard.node, p) for p in held}
         view = apply(view, result, profile)
@@ -608,3 +634,26 @@ def test_node_order_never_changes_the_answer_beyond_reason_order(cluster, profil
         assert second == first
     else:
         assert isinstance(second, Unplaceable) and sorted(second.reasons) == sorted(first.reasons)
+
+
+def room_left(view: NodeView, profile: Profile) -> int:
+    """What the score compares: free cards of the class left after the shard, or free MiB."""
+    if profile.gpu_class is None:
+        return view.memory_free_mib - profile.memory_mib
+    free = sum(1 for g in view.gpus if g.gpu_class == profile.gpu_class and g.healthy and not g.allocated)
+    return free - profile.gpus_per_node
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cluster=clusters(),
+    profile=profiles().map(lambda p: attrs.evolve(p, nodes=1, tensor_parallel=p.gpus_per_node)),
+)
+def test_a_single_node_replica_goes_to_the_best_scored_host(cluster, profile):
+    result = place(cluster, profile, SMALL_PORTS)
+    hosts = [n for n in cluster.nodes if can_host(n, profile)]
+    if not hosts:
+        return
+    sign = -1 if profile.spread else 1
+    best = min(hosts, key=lambda n: (sign * room_left(n, profile), n.name))
+    assert placed(result).shards[0].node == best.name
