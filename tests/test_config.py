@@ -446,8 +446,14 @@ def test_bad_missed_heartbeats(value: str, got: str) -> None:
     ("text", "message"),
     [
         ("fabric: 5\n", "agent.yaml: fabric: expected a string, got 5"),
-        ("engines:\n  stop_shards_on_exit: 1\n", "agent.yaml: engines.stop_shards_on_exit: expected true or false, got 1"),
-        ("engines:\n  leader_wait: soon\n", "agent.yaml: engines.leader_wait: expected a duration like 5s, 500ms or 2.5, got \"soon\""),
+        (
+            "engines:\n  stop_shards_on_exit: 1\n",
+            "agent.yaml: engines.stop_shards_on_exit: expected true or false, got 1",
+        ),
+        (
+            "engines:\n  leader_wait: soon\n",
+            'agent.yaml: engines.leader_wait: expected a duration like 5s, 500ms or 2.5, got "soon"',
+        ),
         ("fabric: [a]\n", "agent.yaml: fabric: expected a string, got a list"),
         ("server:\n  server_name: true\n", "agent.yaml: server.server_name: expected a string, got true"),
         ("work_dir: 5\n", "agent.yaml: work_dir: expected a path, got 5"),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -69,7 +70,7 @@ def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_same_process() -> None:
         # Not reaped: the child stays a zombie, which kill(pid, 0) would call alive.
         os.kill(zombie.pid, 0)
         trio.run(wait_for, lambda: processes.read_stat(zombie.pid).state == "Z", "the child to be a zombie")
-        assert not processes.is_alive(zombie.pid)
+        assert not processes.read_stat(zombie.pid).alive
 
         sleeper_stat = processes.read_stat(sleeper.pid)
         own = ProcessRecord(
@@ -83,25 +84,19 @@ def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_same_process() -> None:
         # argv ends the command line (sleep was found on PATH as "sleep").
         assert processes.is_same_process(own)
         assert processes.group_is_ours(own)
-        assert processes.is_same_process(own.__class__(**{**_fields(own), "cmdline": ("sleep", "60")}))
-        later = own.__class__(**{**_fields(own), "start_time": sleeper_stat.start_time + 1})
+        assert processes.is_same_process(attrs.evolve(own, argv=("x",), cmdline=("sleep", "60")))
+        later = attrs.evolve(own, start_time=sleeper_stat.start_time + 1)
         assert not processes.is_same_process(later)
-        other = own.__class__(**{**_fields(own), "argv": ("llama-server", "-m", "x.gguf")})
+        other = attrs.evolve(own, argv=("llama-server", "-m", "x.gguf"))
         assert not processes.is_same_process(other)
         # Its pid is some other process now: its group is that process's, not ours to signal.
         assert not processes.group_is_ours(other)
         processes.signal_group(other, signal.SIGKILL)
-        assert processes.is_alive(sleeper.pid)
+        assert processes.read_stat(sleeper.pid).alive
     finally:
         zombie.wait()
         sleeper.kill()
         sleeper.wait()
-
-
-def _fields(record: ProcessRecord) -> dict:
-    return {name: getattr(record, name) for name in record.__attrs_attrs__.__class__.__dict__.get("_fields", ())} or {
-        a.name: getattr(record, a.name) for a in record.__attrs_attrs__
-    }
 
 
 def test_describe_exit_names_signals() -> None:
@@ -151,10 +146,10 @@ def test_follower_empties_a_file_past_the_limit_and_the_writer_carries_on(
     follower = OutputFollower(path, tail)
     fd = processes.open_output(path)
     try:
-        for i in range(100):
+        for i in range(101):  # 1010 bytes: past the limit
             os.write(fd, f"line {i:04}\n".encode())
         follower.read_available()
-        assert tail[-1] == "line 0099"
+        assert tail[-1] == "line 0100"
         assert path.stat().st_size == 0
         # O_APPEND: the writer's next line lands at the new end, not at its old offset.
         os.write(fd, b"after\n")
@@ -258,7 +253,9 @@ async def test_http_get_returns_status_and_body(nursery: trio.Nursery) -> None:
     body = b"vllm:num_requests_running 2.0\n"
     response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     port = await nursery.start(_serve_once, response)
-    status, got = await http_get("127.0.0.1", port, "/metrics", headers={"Authorization": "Bearer k"}, timeout=5)
+    status, got = await http_get(
+        "127.0.0.1", port, "/metrics", headers={"Authorization": "Bearer k"}, timeout=5
+    )
     assert (status, got) == (200, body)
 
 
@@ -333,26 +330,27 @@ def test_an_existing_user_gets_its_groups_and_a_private_home(tmp_path: Path) -> 
     entry = pwd.getpwnam("nobody")
     user, note = runas.resolve("nobody", tmp_path)
     assert note == "" and user.switch
-    assert user.credentials() == {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": list(user.groups)}
+    assert user.credentials() == {
+        "user": entry.pw_uid,
+        "group": entry.pw_gid,
+        "extra_groups": list(user.groups),
+    }
     runas.prepare_home(user)
     info = os.stat(user.home)
     assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (entry.pw_uid, 0o700)
     assert stat.S_IMODE(os.stat(user.home.parent).st_mode) == 0o711
 
 
-def test_spawned_process_gets_its_own_session(tmp_path: Path) -> None:
-    async def main() -> None:
-        user, _ = runas.resolve(None, tmp_path)
-        runas.prepare_home(user)
-        process = await processes.spawn(
-            [sys.executable, "-c", "import os; print(os.getsid(0), os.getcwd())"],
-            env=processes.base_environment(user),
-            user=user,
-            output=tmp_path / "out",
-        )
-        assert await process.wait() == 0
-        sid, cwd = (tmp_path / "out").read_text().split()
-        assert int(sid) == process.pid
-        assert cwd == str(user.home)
-
-    trio.run(main)
+async def test_spawned_process_gets_its_own_session(tmp_path: Path) -> None:
+    user, _ = runas.resolve(None, tmp_path)
+    runas.prepare_home(user)
+    process = await processes.spawn(
+        [sys.executable, "-c", "import os; print(os.getsid(0), os.getcwd())"],
+        env=processes.base_environment(user),
+        user=user,
+        output=tmp_path / "out",
+    )
+    assert await process.wait() == 0
+    sid, cwd = (tmp_path / "out").read_text().split()
+    assert int(sid) == process.pid
+    assert cwd == str(user.home)

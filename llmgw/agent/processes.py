@@ -77,21 +77,16 @@ def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
     return ProcStat(state=fields[0], ppid=int(fields[1]), pgrp=int(fields[2]), start_time=int(fields[19]))
 
 
-def read_cmdline(pid: int, proc: Path = PROC) -> tuple[str, ...] | None:
+def read_cmdline(pid: int) -> tuple[str, ...] | None:
     """The process's argv as it shows it now; () for a zombie. None when there is no such process."""
     try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return None
     parts = raw.split(b"\0")
     if parts[-1] == b"":  # the usual terminating NUL (a retitled process may have none)
         parts.pop()
     return tuple(part.decode(errors="replace") for part in parts)
-
-
-def is_alive(pid: int) -> bool:
-    stat = read_stat(pid)
-    return stat is not None and stat.alive
 
 
 def is_same_process(record: ProcessRecord) -> bool:
@@ -123,14 +118,14 @@ def group_is_ours(record: ProcessRecord) -> bool:
     stat = read_stat(record.pgid)
     if stat is None or not stat.alive:
         return True
-    return record.pgid != record.pid or is_same_process(record)
+    return record.pgid == record.pid and is_same_process(record)
 
 
-def process_table(proc: Path = PROC) -> dict[int, ProcStat]:
+def process_table() -> dict[int, ProcStat]:
     """Every process's stat, by pid (zombies included)."""
     table = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit() and (stat := read_stat(int(entry.name), proc)) is not None:
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and (stat := read_stat(int(entry.name))) is not None:
             table[int(entry.name)] = stat
     return table
 

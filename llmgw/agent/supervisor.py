@@ -94,7 +94,7 @@ class _Shard:
     launched: trio.Event = attrs.field(factory=trio.Event)  # every command runs
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     ended: tuple[str, str] | None = None  # (Stopped or Failed, reason), set once
-    grace: float = FAILED_GRACE
+    grace: float = FAILED_GRACE  # for what is left at the end; a stop sets its own
     done: trio.Event = attrs.field(factory=trio.Event)  # torn down and forgotten
 
     @property
@@ -364,10 +364,11 @@ class Supervisor:
         try:
             user = await trio.to_thread.run_sync(self._engine_user)
             await trio.to_thread.run_sync(shard_state.make_dirs, self._shards_dir, shard.spec.shard_id)
-            # Written before anything runs: an agent that dies from here on leaves a record.
-            await self._save(shard)
         except OSError as exc:
             self._end(shard, ShardState.FAILED, f"cannot prepare the shard's directories: {exc}")
+            return
+        # Written before anything runs: an agent that dies from here on leaves a record.
+        if not await self._save(shard):
             return
         environment = base_environment(user)
         for command in plan.commands:
@@ -402,7 +403,8 @@ class Supervisor:
             shard.children.append(process)
             nursery.start_soon(shard.follow(record).follow, FOLLOW_INTERVAL)
             nursery.start_soon(self._watch_child, shard, command.name, process)
-            await self._save(shard)
+            if not await self._save(shard):
+                return
         shard.launched.set()
 
     def _engine_user(self) -> runas.EngineUser:
@@ -491,8 +493,8 @@ class Supervisor:
         shard.compute = Compute(gpus=cards)
         # By now a program that retitles itself has done so; keep what it shows for adoption.
         shard.processes = [_seen_now(process) for process in shard.processes]
-        await self._save(shard)
-        self._report(shard)
+        if await self._save(shard):
+            self._report(shard)
 
     async def _cards(self, shard: _Shard) -> tuple[GpuUse, ...]:
         table = await trio.to_thread.run_sync(process_table)
@@ -539,7 +541,7 @@ class Supervisor:
     async def _teardown(self, shard: _Shard) -> None:
         assert shard.ended is not None
         state, reason = shard.ended
-        await self._stop_processes(shard, shard.grace if state == ShardState.STOPPED else FAILED_GRACE)
+        await self._stop_processes(shard, shard.grace)
         for follower in shard.followers:
             follower.read_available(final=True)
         for pidfd in shard.pidfds.values():
@@ -614,8 +616,15 @@ class Supervisor:
     def _our_pgids(self) -> list[int]:
         return [p.pgid for shard in self._shards.values() for p in shard.processes if group_is_ours(p)]
 
-    async def _save(self, shard: _Shard) -> None:
-        await trio.to_thread.run_sync(shard_state.write, shard.directory, shard.record())
+    async def _save(self, shard: _Shard) -> bool:
+        try:
+            await trio.to_thread.run_sync(shard_state.write, shard.directory, shard.record())
+        except OSError as exc:
+            # A shard without its state could not be adopted after a restart, and its engine
+            # would then be killed as a stranger holding GPUs: better to fail it now, visibly.
+            self._end(shard, ShardState.FAILED, f"cannot write its state file: {exc}")
+            return False
+        return True
 
     def _advance(self, shard: _Shard, state: str) -> None:
         if shard.ended is None and _PROGRESS[state] > _PROGRESS[shard.state]:

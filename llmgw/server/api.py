@@ -161,9 +161,7 @@ def make_app(registry: NodeRegistry, admin_digest: bytes, engine_secret: bytes |
             return _error(409, "no_engine_keys", "this server has no store secret; engines run without a key")
         return jsonify(replica_id=replica_id, key=key)
 
-    async def _command(
-        name: str, command: StartShard | StopShard, timeout: float = COMMAND_TIMEOUT
-    ) -> Response:
+    async def _command(name: str, command: StartShard | StopShard, wait: float = COMMAND_TIMEOUT) -> Response:
         try:
             with trio.fail_after(wait):
                 reply = await registry.call(name, command)

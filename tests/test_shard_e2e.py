@@ -1,0 +1,177 @@
+"""A real llama.cpp shard through the whole chain: server → link → agent → supervisor → engine.
+
+The server starts the shard, the engine serves SmolLM2 with its replica's key and refuses requests
+without it; the agent is killed with -9 and started again, and the same engine process — never
+restarted — is adopted, Ready again, and still serving; stopping the shard leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.processes import read_stat
+from tests.procs import Server, start_agent, wait_until
+from tests.real_parts import llama_server, require_llama_server, require_smollm2, smollm2_gguf
+
+pytestmark = pytest.mark.slow
+
+REPLICA = "r-e2e"
+SHARD = "r-e2e-s0"
+
+
+@pytest.fixture(scope="module")
+def public_parts():
+    """llama-server (with its libraries) and the model, copied where the unprivileged engine
+    user can reach them: the checkout may sit under a directory only root may enter."""
+    require_llama_server()
+    require_smollm2()
+    root = Path(tempfile.mkdtemp(prefix="llmgw-e2e-"))
+    root.chmod(0o755)
+    try:
+        shutil.copytree(llama_server().parent, root / "bin", symlinks=True)
+        shutil.copyfile(smollm2_gguf(), root / "smollm2.gguf")
+        (root / "smollm2.gguf").chmod(0o644)
+        yield root / "bin" / "llama-server", root / "smollm2.gguf"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def admin(server: Server, method: str, path: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(
+        f"http://{server.endpoints['admin']}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={
+            "Authorization": f"Bearer {server.ctl_env['LLMGW_TOKEN']}",
+            "Content-Type": "application/json",
+        },
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def chat(port: int, key: str | None) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(
+            {"model": "smollm2", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+        ).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["message"]["content"]
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def shard_view(server: Server, node: str) -> dict | None:
+    shards = {s["shard_id"]: s for s in admin(server, "GET", f"/admin/v1/nodes/{node}")["shards"]}
+    return shards.get(SHARD)
+
+
+def alive(pid: int) -> bool:
+    stat = read_stat(pid)
+    return stat is not None and stat.alive
+
+
+def test_llamacpp_shard_started_adopted_after_agent_kill_and_stopped(tmp_path, public_parts, engine_user):
+    binary, model = public_parts
+    server = Server(tmp_path, heartbeat_interval=0.5).start()
+    engines = {"llama_server": str(binary), "run_as": engine_user, "stop_grace": "5s"}
+    agent = start_agent(tmp_path, server, "cpu-1", engines=engines)
+    engine_pid = 0
+    try:
+        wait_until(lambda: server.nodes().get("cpu-1", {}).get("connected"), "the agent", proc=agent)
+        port = free_port()
+        spec = {
+            "shard_id": SHARD,
+            "replica_id": REPLICA,
+            "model": "smollm2",
+            "model_path": str(model),
+            "engine": "llamacpp",
+            "port": port,
+            "ctx_size": 2048,
+            "parallel": 2,
+        }
+        asked = time.monotonic()
+        assert admin(server, "POST", "/admin/v1/nodes/cpu-1/shards", spec)["ok"]
+        ready = wait_until(
+            lambda: (s := shard_view(server, "cpu-1")) and s["state"] == "Ready" and s,
+            "the shard to be Ready",
+            deadline=120,
+            proc=agent,
+        )
+        start_to_ready = time.monotonic() - asked
+        engine_pid = ready["pid"]
+        print(f"\nStartShard -> Ready: {start_to_ready:.2f}s")
+
+        # The engine runs as the unprivileged user, with its key in the environment only.
+        status = Path(f"/proc/{engine_pid}/status").read_text()
+        uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
+        assert int(uid) == pwd.getpwnam(engine_user).pw_uid
+        key = admin(server, "GET", f"/admin/v1/replicas/{REPLICA}/engine-key")["key"]
+        assert key.encode() not in Path(f"/proc/{engine_pid}/cmdline").read_bytes()
+        assert chat(port, key) == 200
+        assert chat(port, None) == 401
+        assert chat(port, "not-the-key") == 401
+        started_at = read_stat(engine_pid).start_time
+
+        # kill -9 the agent: the engine keeps serving; a new agent adopts the same process.
+        agent.kill9()
+        assert alive(engine_pid)
+        restarted = time.monotonic()
+        agent = start_agent(tmp_path, server, "cpu-1", engines=engines)
+        wait_until(lambda: server.nodes()["cpu-1"]["connected"], "the agent to come back", proc=agent)
+        registered = time.monotonic()
+        adopted = wait_until(
+            lambda: (s := shard_view(server, "cpu-1")) and s["state"] == "Ready" and s["adopted"] and s,
+            "the adopted shard to be Ready",
+            proc=agent,
+        )
+        print(
+            f"agent restart -> adopted Ready: {time.monotonic() - restarted:.2f}s "
+            f"({time.monotonic() - registered:.2f}s after it registered)"
+        )
+        assert time.monotonic() - registered < 2.0 + 1.0  # + this test's polling of the API
+        assert adopted["pid"] == engine_pid
+        assert read_stat(engine_pid).start_time == started_at  # never restarted
+        assert chat(port, key) == 200
+
+        # StopShard: no process of the shard is left.
+        assert admin(server, "DELETE", f"/admin/v1/nodes/cpu-1/shards/{SHARD}?grace=5")["ok"]
+        assert not alive(engine_pid)
+        members = [
+            p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(int(p.name)) == engine_pid
+        ]
+        assert members == []
+        wait_until(lambda: shard_view(server, "cpu-1") is None, "the shard to leave the node's list")
+    finally:
+        agent.stop()
+        server.proc.stop()
+        if engine_pid and alive(engine_pid):  # a failed test must not leave the engine behind
+            os.killpg(engine_pid, signal.SIGKILL)
+
+
+def _pgid(pid: int) -> int | None:
+    stat = read_stat(pid)
+    return stat.pgrp if stat is not None and stat.alive else None
