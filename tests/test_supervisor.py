@@ -8,6 +8,7 @@ Everything lives in a 0755 directory under /tmp so that an unprivileged engine u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -92,13 +93,16 @@ class Lab:
         )
 
     def kill_leftovers(self) -> None:
-        """Whatever a failed test left running from this lab (every fake runs from its root)."""
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and str(self.root) in " ".join(read_cmdline(int(entry.name)) or ()):
-                try:
-                    os.kill(int(entry.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        """The process groups a failed test left running, as this lab's state files name them
+        (by group, never by name: only what the supervisor recorded is touched)."""
+        for _directory, record in shard_state.read_all(self.work_dir / "shards"):
+            if isinstance(record, ValueError):
+                continue
+            for process in record.processes:
+                stat = read_stat(process.pid)
+                if stat is not None and stat.start_time == process.start_time:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pgid, signal.SIGKILL)
 
 
 @pytest.fixture
