@@ -7,6 +7,11 @@ line, ``<file>: <key.path>: <what is wrong>``, so it reads well in a terminal an
 
 Paths in a file are relative to that file's directory (``~`` is expanded), so a config that sits
 next to its certificates keeps working wherever it is started from.
+
+server.yaml also declares catalog entries (``models:`` and ``profiles:``, each a mapping from a
+name to that entry's options). The same converter reads a catalog file for ``llmgw ctl apply`` and
+the admin API's catalog requests, so an entry means the same, and a mistake reads the same,
+wherever it is written.
 """
 
 from __future__ import annotations
@@ -16,15 +21,24 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 import attrs
 import cattrs
 import yaml
-from cattrs.errors import AttributeValidationNote, ClassValidationError, ForbiddenExtraKeysError
-from cattrs.gen import make_dict_structure_fn
+from cattrs.cols import homogenous_tuple_structure_factory
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn, override
+
+from llmgw.core.catalog import Model, Profile, name_problem, validate_model, validate_profile
 
 
 class ConfigError(Exception):
@@ -41,12 +55,25 @@ class _BadValue(ValueError):
     """A value the operator has to fix; the text is shown as is.
 
     ``key`` is set when the check runs in a class's constructor (cross-field rules), where cattrs
-    cannot tell which attribute failed.
+    cannot tell which attribute failed: one key, or a path of them.
     """
 
-    def __init__(self, problem: str, key: str | None = None) -> None:
+    def __init__(self, problem: str, key: str | tuple[Any, ...] | None = None) -> None:
         super().__init__(problem)
         self.key = key
+
+
+class _InEntry(Exception):
+    """An error from inside one named catalog entry; ``key`` is the entry's name."""
+
+    def __init__(self, key: Any, error: Exception) -> None:
+        super().__init__(key, error)
+        self.key = key
+        self.error = error
+
+
+class _Index(int):
+    """A position in a list, as one part of a key path; written ``[2]`` where a key is ``.name``."""
 
 
 def default_home() -> Path:
@@ -191,12 +218,47 @@ class AdminConfig:
     token_file: Path | None = None
 
 
+# Catalog sections: in a file, a mapping from each entry's name to its options; in Python, the
+# entries in the file's order, each carrying its name.
+CatalogModels = Annotated[tuple[Model, ...], "a mapping of model names to their options"]
+CatalogProfiles = Annotated[tuple[Profile, ...], "a mapping of profile names to their options"]
+
+
+def _catalog_problems(models: Iterable[Model], profiles: Iterable[Profile]) -> Iterator[_BadValue]:
+    """The catalog rules of :mod:`llmgw.core.catalog`, each problem keyed by its path in the file.
+
+    A profile here may only use a model declared beside it: server.yaml is applied whole at every
+    start, before the store's entries are known, so it has to stand on its own.
+    """
+    known = {model.name: model for model in models}
+    checks = [("models", model, validate_model(model)) for model in known.values()]
+    checks += [("profiles", profile, validate_profile(profile, known)) for profile in profiles]
+    for section, entry, reasons in checks:
+        if problem := name_problem(entry.name):
+            yield _BadValue(problem, key=(section, entry.name))
+            continue
+        for reason in reasons:
+            # Every reason reads "<section>.<name>.<field>: <what>"; the name is known, so the
+            # split holds even for names with dots in them.
+            field, _, what = reason.removeprefix(f"{section}.{entry.name}.").partition(": ")
+            yield _BadValue(what, key=(section, entry.name, field))
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     data_dir: Path = attrs.field(factory=lambda: default_home() / "server")
     log_level: LogLevel = "info"
     link: LinkConfig = attrs.field(factory=LinkConfig)
     admin: AdminConfig = attrs.field(factory=AdminConfig)
+    # Catalog entries owned by this file: written into the store at every start, replacing what
+    # an earlier server.yaml declared; the admin API cannot change or remove them.
+    models: CatalogModels = ()
+    profiles: CatalogProfiles = attrs.field(default=())
+
+    @profiles.validator
+    def _catalog_is_valid(self, _attribute: attrs.Attribute, _value: tuple[Profile, ...]) -> None:
+        if problems := list(_catalog_problems(self.models, self.profiles)):
+            raise ExceptionGroup("the catalog in server.yaml", problems)
 
     @property
     def join_token_path(self) -> Path:
@@ -273,6 +335,15 @@ class AgentConfig:
     engines: EnginesConfig = attrs.field(factory=EnginesConfig)
 
 
+@attrs.frozen(kw_only=True)
+class CatalogFile:
+    """What ``llmgw ctl apply -f`` reads: server.yaml's two catalog sections, alone. Its profiles
+    may use models the server already has, so only the server can judge them whole."""
+
+    models: CatalogModels = ()
+    profiles: CatalogProfiles = ()
+
+
 # --- the converter -----------------------------------------------------------------------------
 # Strict hooks replace cattrs' lenient defaults, which would turn 5 into "5", "3" into 3 and 2.7
 # into 2: in a config file each of those is more likely a mistake than an intent.
@@ -294,6 +365,12 @@ def _structure_path(value: Any, _type: Any) -> Path:
     if not isinstance(value, str) or not value:
         raise _BadValue(f"expected a path, got {_show(value)}")
     return Path(value)
+
+
+def _structure_int(value: Any, _type: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _BadValue(f"expected an integer, got {_show(value)}")
+    return value
 
 
 def _structure_positive_int(value: Any, _type: Any) -> int:
@@ -318,10 +395,10 @@ def _structure_node_name(value: Any, _type: Any) -> str:
 T = TypeVar("T")
 
 
-def _section_hook(converter: cattrs.Converter, cls: type[T]) -> Callable[[Any, Any], T]:
+def _section_hook(converter: cattrs.Converter, cls: type[T], **overrides: Any) -> Callable[[Any, Any], T]:
     """Structures an options section; an empty one (``link:`` with every child commented out)
     means all defaults."""
-    structure = make_dict_structure_fn(cls, converter)
+    structure = make_dict_structure_fn(cls, converter, **overrides)
 
     def hook(value: Any, _type: Any) -> T:
         if value is None:
@@ -333,21 +410,85 @@ def _section_hook(converter: cattrs.Converter, cls: type[T]) -> Callable[[Any, A
     return hook
 
 
+def _is_list(type_: Any) -> bool:
+    """``tuple[X, ...]``: how a list of options is typed in the frozen classes."""
+    args = get_args(type_)
+    return get_origin(type_) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _list_hook(converter: cattrs.Converter, type_: Any) -> Callable[[Any, Any], tuple]:
+    # cattrs turns any iterable into a tuple, so `flags: --foo` would become six flags of one
+    # letter each: a list is required.
+    structure = homogenous_tuple_structure_factory(type_, converter)
+
+    def hook(value: Any, _type: Any) -> tuple:
+        if not isinstance(value, list):
+            raise _BadValue(f"expected a list, got {_show(value)}")
+        return structure(value, type_)
+
+    return hook
+
+
+def _structure_entry(converter: cattrs.Converter, cls: type[T], section: str, name: Any, options: Any) -> T:
+    """One catalog entry from its name and its options (which must not name it again)."""
+    if not isinstance(name, str):
+        raise _BadValue(f"expected a name (a string), got {_show(name)}")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise _BadValue(f"expected a mapping of options, got {_show(options)}")
+    if "name" in options:
+        raise _BadValue(f"unknown key: an entry's name is its key in {section}", key="name")
+    return converter.structure({**options, "name": name}, cls)
+
+
+def _catalog_hook(
+    converter: cattrs.Converter, cls: type[T], section: str
+) -> Callable[[Any, Any], tuple[T, ...]]:
+    def hook(value: Any, _type: Any) -> tuple[T, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, dict):
+            raise _BadValue(
+                f"expected a mapping of {cls.__name__.lower()} names to their options, got {_show(value)}"
+            )
+        entries, errors = [], []
+        for name, options in value.items():
+            try:
+                entries.append(_structure_entry(converter, cls, section, name, options))
+            except Exception as exc:  # every entry's problems, each under its entry's name
+                errors.append(_InEntry(name, exc))
+        if errors:
+            raise ExceptionGroup(f"while structuring {section}", errors)
+        return tuple(entries)
+
+    return hook
+
+
 def _make_converter() -> cattrs.Converter:
     # detailed_validation (the default) keeps every error with the attribute it belongs to, which
     # is what lets ConfigError name the key.
     conv = cattrs.Converter(forbid_extra_keys=True)
     conv.register_structure_hook(str, _structure_str)
     conv.register_structure_hook(bool, _structure_bool)
+    conv.register_structure_hook(int, _structure_int)
     conv.register_structure_hook(Path, _structure_path)
     conv.register_structure_hook(Address, lambda value, _type: Address.parse(value))
     conv.register_structure_hook_factory(attrs.has, lambda cls: _section_hook(conv, cls))
+    conv.register_structure_hook_factory(_is_list, lambda type_: _list_hook(conv, type_))
+    # The catalog's types live in the pure core, which knows seconds, not "10m".
+    conv.register_structure_hook(
+        Profile,
+        _section_hook(conv, Profile, startup_timeout=override(struct_hook=lambda v, _t: parse_duration(v))),
+    )
     # Annotated types are not classes, so they are matched by equality (which compares the marker).
     for marker, hook in [
         (Duration, lambda value, _type: parse_duration(value)),
         (PositiveInt, _structure_positive_int),
         (LogLevel, _structure_log_level),
         (NodeName, _structure_node_name),
+        (CatalogModels, _catalog_hook(conv, Model, "models")),
+        (CatalogProfiles, _catalog_hook(conv, Profile, "profiles")),
     ]:
         conv.register_structure_hook_func(lambda t, marker=marker: t == marker, hook)
     return conv
@@ -367,17 +508,40 @@ def _problems(exc: BaseException, key: Key) -> Iterator[tuple[Key, str]]:
         for sub in exc.exceptions:
             notes = [n for n in getattr(sub, "__notes__", ()) if isinstance(n, AttributeValidationNote)]
             yield from _problems(sub, key + (notes[-1].name,) if notes else key)
+    elif isinstance(exc, IterableValidationError):
+        for sub in exc.exceptions:
+            notes = [n for n in getattr(sub, "__notes__", ()) if isinstance(n, IterableValidationNote)]
+            yield from _problems(sub, key + (_Index(notes[-1].index),) if notes else key)
+    elif isinstance(exc, ExceptionGroup):
+        for sub in exc.exceptions:
+            yield from _problems(sub, key)
+    elif isinstance(exc, _InEntry):
+        yield from _problems(exc.error, key + (exc.key,))
     elif isinstance(exc, ForbiddenExtraKeysError):
-        allowed = ", ".join(field.name for field in attrs.fields(exc.cl))
+        allowed = ", ".join(_option_names(exc.cl))
         for extra in exc.extra_fields:
             yield key + (extra,), f"unknown key (expected one of: {allowed})"
     elif isinstance(exc, _BadValue):
-        yield (key + (exc.key,) if exc.key else key), str(exc)
+        where = exc.key if isinstance(exc.key, tuple) else (exc.key,) if exc.key else ()
+        yield key + where, str(exc)
     elif isinstance(exc, KeyError):
         yield key, "required option is missing"
     else:
         # Not one of our messages (a bug in a hook): still say where it happened.
         yield key, f"{type(exc).__name__}: {exc}"
+
+
+def _option_names(cls: type) -> list[str]:
+    names = [field.name for field in attrs.fields(cls)]
+    # A catalog entry is named by its key (or, in an API request, by "name" beside the options).
+    return [name for name in names if name != "name"] if cls in (Model, Profile) else names
+
+
+def _key_text(key: Key) -> str:
+    text = ""
+    for part in key:
+        text += f"[{part}]" if isinstance(part, _Index) else f".{part}" if text else str(part)
+    return text
 
 
 def _document_order(data: Any, key: Key) -> tuple[int, ...]:
@@ -390,6 +554,9 @@ def _document_order(data: Any, key: Key) -> tuple[int, ...]:
             keys = list(data)
             position.append(keys.index(part) if part in data else len(keys))
             data = data.get(part)
+        elif isinstance(data, list) and isinstance(part, _Index):
+            position.append(part)
+            data = data[part] if part < len(data) else None
         else:
             position.append(0)
             data = None
@@ -432,7 +599,7 @@ def _parse(text: str, cls: type[T], name: str, base_dir: Path | None) -> T:
         config = converter.structure(data, cls)
     except ClassValidationError as exc:
         key, problem = min(_problems(exc, ()), key=lambda item: _document_order(data, item[0]))
-        raise ConfigError(name, problem, key=".".join(map(str, key)) or None) from None
+        raise ConfigError(name, problem, key=_key_text(key) or None) from None
     return _resolve_paths(config, (base_dir or Path.cwd()).absolute())
 
 
@@ -458,6 +625,57 @@ def parse_agent_config(text: str, name: str = "agent.yaml", base_dir: Path | Non
     return _parse(text, AgentConfig, name, base_dir)
 
 
+CATALOG_SECTIONS = ("models", "profiles")
+
+
+def parse_catalog_file(text: str, name: str) -> CatalogFile:
+    """Parses a catalog file (server.yaml's ``models:`` and ``profiles:`` sections, alone)."""
+    return _parse(text, CatalogFile, name, None)
+
+
+def structure_catalog(body: Any) -> tuple[tuple[Model, ...], tuple[Profile, ...], list[str]]:
+    """The admin API's catalog request, ``{"models": [...], "profiles": [...]}``, whose entries
+    carry their own ``name``: the entries, and every problem as ``<key.path>: <what is wrong>``.
+
+    An entry's problems are keyed by its name (``profiles.chat.memory_mib``), as in server.yaml,
+    or by its place in the list (``profiles[2].name``) when it has no usable name.
+    """
+    if not isinstance(body, dict):
+        return (), (), [f"expected a JSON object with models and profiles, got {_show(body)}"]
+    problems = [
+        f"{key}: unknown key (expected one of: models, profiles)"
+        for key in body
+        if key not in CATALOG_SECTIONS
+    ]
+    models = _structure_entries(body.get("models"), Model, "models", problems)
+    profiles = _structure_entries(body.get("profiles"), Profile, "profiles", problems)
+    return models, profiles, problems
+
+
+def _structure_entries(items: Any, cls: type[T], section: str, problems: list[str]) -> tuple[T, ...]:
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        problems.append(f"{section}: expected a list of entries, got {_show(items)}")
+        return ()
+    entries = []
+    for index, item in enumerate(items):
+        key: Key = (section, _Index(index))
+        if not isinstance(item, dict):
+            problems.append(f"{_key_text(key)}: expected a mapping of options, got {_show(item)}")
+            continue
+        options = dict(item)
+        name = options.pop("name", None)
+        if not isinstance(name, str) or not name:
+            problems.append(f"{_key_text(key + ('name',))}: expected the entry's name, got {_show(name)}")
+            continue
+        try:
+            entries.append(_structure_entry(converter, cls, section, name, options))
+        except Exception as exc:  # all of them: an API client fixes a request in one go
+            problems.extend(f"{_key_text(where)}: {what}" for where, what in _problems(exc, (section, name)))
+    return tuple(entries)
+
+
 def load_server_config(path: Path | None) -> ServerConfig:
     """Reads server.yaml; None means no file, all defaults."""
     return ServerConfig() if path is None else _load(path, ServerConfig)
@@ -474,6 +692,9 @@ __all__ = [
     "AdminConfig",
     "AgentConfig",
     "AgentServerConfig",
+    "CatalogFile",
+    "CatalogModels",
+    "CatalogProfiles",
     "ConfigError",
     "Duration",
     "LinkConfig",
@@ -488,6 +709,8 @@ __all__ = [
     "load_agent_config",
     "load_server_config",
     "parse_agent_config",
+    "parse_catalog_file",
     "parse_duration",
     "parse_server_config",
+    "structure_catalog",
 ]

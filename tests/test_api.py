@@ -12,10 +12,13 @@ import pytest
 import trio
 
 import llmgw
+from llmgw.config import converter
+from llmgw.core.catalog import Model, Profile
 from llmgw.core.liveness import Liveness
 from llmgw.ctl.client import AdminClient, CtlError
 from llmgw.server import api, tokens
 from llmgw.server.api import serve_admin
+from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.store import AsyncStore
 from llmgw.wire.messages import Gpu, Inventory, Ping, Pong, Register
@@ -72,10 +75,18 @@ class BrokenSession(AnsweringSession):
         raise RuntimeError("boom")
 
 
+# What server.yaml declares in these tests: owned by the config, so the API may not change it.
+CONFIG_MODEL = Model(name="smollm2-135m", path="/models/smollm2.gguf", format="gguf")
+CONFIG_PROFILE = Profile(
+    name="smollm2-cpu", model="smollm2-135m", engine="llamacpp", gpu_class=None, memory_mib=1024
+)
+
+
 @attrs.frozen
 class Api:
     url: str
     registry: NodeRegistry
+    catalog: Catalog
 
 
 @pytest.fixture
@@ -89,17 +100,22 @@ async def admin(tmp_path: Path, nursery):
         SilentSession("stuck-1"),
         Register(node="stuck-1", agent_version="0.1.0", inventory=attrs.evolve(GPU_INVENTORY, gpus=())),
     )
+    catalog = await Catalog.load(store, [CONFIG_MODEL], [CONFIG_PROFILE])
     port = await nursery.start(
-        serve_admin, registry, tokens.digest(ADMIN_TOKEN), ENGINE_SECRET, "127.0.0.1", 0
+        serve_admin, registry, catalog, tokens.digest(ADMIN_TOKEN), ENGINE_SECRET, "127.0.0.1", 0
     )
-    yield Api(f"http://127.0.0.1:{port}", registry)
+    yield Api(f"http://127.0.0.1:{port}", registry, catalog)
     nursery.cancel_scope.cancel()
     await store.aclose()
 
 
-def _fetch(method: str, url: str, token: str | None) -> tuple[int, dict]:
+def _fetch(method: str, url: str, token: str | None, body: object = None) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    req = urllib.request.Request(url, method=method, headers=headers)
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -107,8 +123,10 @@ def _fetch(method: str, url: str, token: str | None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-async def fetch(method: str, url: str, token: str | None = ADMIN_TOKEN) -> tuple[int, dict]:
-    return await trio.to_thread.run_sync(_fetch, method, url, token)
+async def fetch(
+    method: str, url: str, token: str | None = ADMIN_TOKEN, body: object = None
+) -> tuple[int, dict]:
+    return await trio.to_thread.run_sync(_fetch, method, url, token, body)
 
 
 async def test_healthz_needs_no_token(admin: Api):
@@ -225,13 +243,223 @@ async def test_ctl_client_against_the_api(admin: Api):
 async def test_serve_admin_stops_when_cancelled(tmp_path: Path):
     store = await AsyncStore.open(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
+    catalog = await Catalog.load(store, [], [])
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(
-                serve_admin, registry, tokens.digest(ADMIN_TOKEN), ENGINE_SECRET, "127.0.0.1", 0
+                serve_admin, registry, catalog, tokens.digest(ADMIN_TOKEN), ENGINE_SECRET, "127.0.0.1", 0
             )
             assert (await fetch("GET", f"http://127.0.0.1:{port}/healthz"))[0] == 200
             nursery.cancel_scope.cancel()
     await store.aclose()
     with pytest.raises(urllib.error.URLError):
         await fetch("GET", f"http://127.0.0.1:{port}/healthz")
+
+
+# --- the catalog ------------------------------------------------------------------------------
+
+QWEN = {"name": "org/qwen", "path": "Qwen/Qwen2.5-7B-Instruct", "format": "safetensors"}
+QWEN_PROFILE = {
+    "name": "qwen-l40s",
+    "model": "org/qwen",
+    "engine": "vllm",
+    "gpu_class": "l40s-45g",
+    "gpus_per_node": 2,
+    "tensor_parallel": 2,
+    "memory_mib": 40_000,
+    "max_replicas": 3,
+    "startup_timeout": "15m",
+}
+
+
+async def apply(admin: Api, body: object) -> tuple[int, dict]:
+    return await fetch("POST", admin.url + "/admin/v1/catalog", body=body)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/admin/v1/models"),
+        ("GET", "/admin/v1/profiles"),
+        ("POST", "/admin/v1/catalog"),
+        ("POST", "/admin/v1/profiles/smollm2-cpu/scale"),
+        ("DELETE", "/admin/v1/models/smollm2-135m"),
+        ("DELETE", "/admin/v1/profiles/smollm2-cpu"),
+    ],
+)
+async def test_catalog_endpoints_need_the_token(admin: Api, method: str, path: str):
+    status, body = await fetch(method, admin.url + path, token="wrong")
+    assert (status, body["error"]["type"]) == (401, "unauthorized")
+    assert len(admin.catalog.entries("profile")) == 1
+
+
+async def test_listings_show_every_option_and_the_owner(admin: Api):
+    status, body = await fetch("GET", admin.url + "/admin/v1/models")
+    assert status == 200
+    [model] = body["models"]
+    assert {k: model[k] for k in ("name", "path", "format", "source", "used_by")} == {
+        "name": "smollm2-135m",
+        "path": "/models/smollm2.gguf",
+        "format": "gguf",
+        "source": "config",
+        "used_by": ["smollm2-cpu"],
+    }
+    status, body = await fetch("GET", admin.url + "/admin/v1/profiles")
+    [profile] = body["profiles"]
+    assert profile["name"] == "smollm2-cpu"
+    assert profile["gpu_class"] is None
+    assert profile["startup_timeout"] == 600.0
+    assert profile["flags"] == [] and profile["adapters"] == []
+    assert profile["source"] == "config"
+    assert isinstance(profile["updated"], float)
+
+
+async def test_apply_creates_then_reports_unchanged(admin: Api):
+    status, body = await apply(admin, {"models": [QWEN], "profiles": [QWEN_PROFILE]})
+    assert status == 200
+    assert body["changes"] == [
+        {"kind": "model", "name": "org/qwen", "change": "created"},
+        {"kind": "profile", "name": "qwen-l40s", "change": "created"},
+    ]
+    assert admin.catalog.profiles()["qwen-l40s"].startup_timeout == 900.0
+
+    status, body = await apply(admin, {"profiles": [{**QWEN_PROFILE, "band": 5}], "models": [QWEN]})
+    assert [change["change"] for change in body["changes"]] == ["unchanged", "updated"]
+
+    status, body = await fetch("GET", admin.url + "/admin/v1/profiles")
+    assert [(p["name"], p["source"], p["band"]) for p in body["profiles"]] == [
+        ("qwen-l40s", "api", 5),
+        ("smollm2-cpu", "config", 0),
+    ]
+
+
+async def test_apply_reports_every_problem_by_field_and_changes_nothing(admin: Api):
+    bad_profile = {**QWEN_PROFILE, "model": "nope", "memory_mib": 0, "tensor_parallel": "2"}
+    status, body = await apply(
+        admin, {"models": [{**QWEN, "format": "onnx"}, 7], "profiles": [bad_profile], "extra": []}
+    )
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request"
+    assert body["error"]["problems"] == [
+        "extra: unknown key (expected one of: models, profiles)",
+        "models[1]: expected a mapping of options, got 7",
+        'profiles.qwen-l40s.tensor_parallel: expected an integer, got "2"',
+    ]
+    assert body["error"]["message"].startswith("nothing was applied:\n  extra: unknown key")
+
+    # Well-formed, but wrong against the catalog: every reason at once.
+    bad_profile["tensor_parallel"] = 2
+    status, body = await apply(admin, {"models": [{**QWEN, "format": "onnx"}], "profiles": [bad_profile]})
+    assert status == 400
+    assert body["error"]["problems"] == [
+        "models.org/qwen.format: 'onnx' is not one of gguf, safetensors",
+        "profiles.qwen-l40s.memory_mib: must be at least 1, not 0",
+        "profiles.qwen-l40s.model: no model named 'nope' in the catalog",
+    ]
+    assert list(admin.catalog.models()) == ["smollm2-135m"]
+
+
+async def test_apply_names_a_nameless_entry_by_its_place(admin: Api):
+    status, body = await apply(admin, {"profiles": [QWEN_PROFILE, {"model": "x"}]})
+    assert status == 400
+    assert "profiles[1].name: expected the entry's name, got null" in body["error"]["problems"]
+
+
+async def test_apply_refuses_entries_that_server_yaml_owns(admin: Api):
+    status, body = await apply(admin, {"profiles": [{**converter.unstructure(CONFIG_PROFILE), "band": 3}]})
+    assert status == 409
+    assert body["error"]["type"] == "conflict"
+    assert body["error"]["message"] == (
+        "profiles.smollm2-cpu: declared in server.yaml; change it there and restart the server"
+    )
+    assert admin.catalog.profiles()["smollm2-cpu"].band == 0
+
+
+async def test_apply_without_a_json_body(admin: Api):
+    status, body = await fetch("POST", admin.url + "/admin/v1/catalog")
+    assert status == 400
+    assert body["error"]["message"] == "expected a JSON object with models and profiles, got null"
+
+
+async def test_scale(admin: Api):
+    await apply(admin, {"models": [QWEN], "profiles": [QWEN_PROFILE]})
+    url = admin.url + "/admin/v1/profiles/qwen-l40s/scale"
+    status, body = await fetch("POST", url, body={"replicas": 2})
+    assert status == 200
+    assert (body["name"], body["min_replicas"], body["max_replicas"]) == ("qwen-l40s", 2, 2)
+    status, body = await fetch("POST", url, body={"max_replicas": 4})
+    assert (body["min_replicas"], body["max_replicas"]) == (2, 4)
+    assert admin.catalog.profiles()["qwen-l40s"].max_replicas == 4
+
+
+@pytest.mark.parametrize(
+    ("request_body", "problems"),
+    [
+        ({"min_replicas": 5}, ["profiles.qwen-l40s.min_replicas: 5 is above max_replicas 3"]),
+        ({"replicas": -1}, ["profiles.qwen-l40s.min_replicas: must be at least 0, not -1",
+                            "profiles.qwen-l40s.max_replicas: must be at least 0, not -1"]),
+        ({"replicas": "2"}, ['replicas: expected an integer, got "2"']),
+        ({"replicas": True}, ["replicas: expected an integer, got true"]),
+        ({"replicas": 1, "max_replicas": 2},
+         ["replicas: give replicas alone, or min_replicas and max_replicas, not both"]),
+        ({"count": 1}, ["count: unknown key (expected one of: replicas, min_replicas, max_replicas)"]),
+        ({}, ['expected a JSON object: {"replicas": n}, or {"min_replicas": n, "max_replicas": m}']),
+    ],
+)  # fmt: skip
+async def test_scale_refuses_bad_bounds(admin: Api, request_body: dict, problems: list[str]):
+    await apply(admin, {"models": [QWEN], "profiles": [QWEN_PROFILE]})
+    status, body = await fetch("POST", admin.url + "/admin/v1/profiles/qwen-l40s/scale", body=request_body)
+    assert status == 400
+    assert body["error"]["problems"] == problems
+    assert admin.catalog.profiles()["qwen-l40s"].max_replicas == 3
+
+
+async def test_scale_unknown_and_config_owned_profiles(admin: Api):
+    status, body = await fetch("POST", admin.url + "/admin/v1/profiles/nope/scale", body={"replicas": 1})
+    assert (status, body["error"]["message"]) == (404, 'no profile named "nope"')
+    status, body = await fetch(
+        "POST", admin.url + "/admin/v1/profiles/smollm2-cpu/scale", body={"replicas": 2}
+    )
+    assert status == 409
+    assert body["error"]["message"] == (
+        'profile "smollm2-cpu" is declared in server.yaml; change min_replicas and max_replicas there '
+        "and restart the server"
+    )
+
+
+async def test_delete(admin: Api):
+    await apply(admin, {"models": [QWEN], "profiles": [QWEN_PROFILE]})
+    # A model name with a slash travels percent-encoded, as ctl sends it.
+    model_url = admin.url + "/admin/v1/models/org%2Fqwen"
+    status, body = await fetch("DELETE", model_url)
+    assert status == 409
+    assert (
+        body["error"]["message"]
+        == 'model "org/qwen" is used by profile qwen-l40s; delete or change those first'
+    )
+
+    status, body = await fetch("DELETE", admin.url + "/admin/v1/profiles/qwen-l40s")
+    assert (status, body) == (200, {"deleted": {"kind": "profile", "name": "qwen-l40s"}})
+    status, body = await fetch("DELETE", model_url)
+    assert (status, body) == (200, {"deleted": {"kind": "model", "name": "org/qwen"}})
+
+    status, body = await fetch("DELETE", model_url)
+    assert (status, body["error"]) == (
+        404,
+        {
+            "message": 'no model named "org/qwen"',
+            "type": "not_found",
+            "problems": ['no model named "org/qwen"'],
+        },
+    )
+
+
+async def test_delete_refuses_config_entries(admin: Api):
+    status, body = await fetch("DELETE", admin.url + "/admin/v1/profiles/smollm2-cpu")
+    assert (status, body["error"]["type"]) == (409, "conflict")
+    assert body["error"]["message"] == (
+        'profile "smollm2-cpu" is declared in server.yaml; remove it there and restart the server'
+    )
+    status, body = await fetch("DELETE", admin.url + "/admin/v1/models/smollm2-135m")
+    assert status == 409
+    assert list(admin.catalog.profiles()) == ["smollm2-cpu"]

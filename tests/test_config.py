@@ -18,9 +18,13 @@ from llmgw.config import (
     load_agent_config,
     load_server_config,
     parse_agent_config,
+    parse_catalog_file,
     parse_duration,
     parse_server_config,
+    structure_catalog,
 )
+from llmgw.core.catalog import Model, Profile
+from llmgw.core.shard import Adapter
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -549,7 +553,7 @@ def test_bad_node_name(value: str, got: str) -> None:
         ),
         (
             "datadir: /x\n",
-            "server.yaml: datadir: unknown key (expected one of: data_dir, log_level, link, admin)",
+            "server.yaml: datadir: unknown key (expected one of: data_dir, log_level, link, admin, models, profiles)",
         ),
         (
             "link:\n  heartbeat: 5s\n",
@@ -560,7 +564,10 @@ def test_bad_node_name(value: str, got: str) -> None:
             "link:\n  tls: {cert_file: a, key_file: b, ca_file: c}\n",
             "server.yaml: link.tls.ca_file: unknown key (expected one of: cert_file, key_file)",
         ),
-        ("1: x\n", "server.yaml: 1: unknown key (expected one of: data_dir, log_level, link, admin)"),
+        (
+            "1: x\n",
+            "server.yaml: 1: unknown key (expected one of: data_dir, log_level, link, admin, models, profiles)",
+        ),
     ],
 )
 def test_server_unknown_key(text: str, message: str) -> None:
@@ -625,7 +632,7 @@ def test_server_options_do_not_belong_in_agent_yaml() -> None:
         ),
         (
             "zz: 1\nyy: 2\n",
-            "server.yaml: zz: unknown key (expected one of: data_dir, log_level, link, admin)",
+            "server.yaml: zz: unknown key (expected one of: data_dir, log_level, link, admin, models, profiles)",
         ),
     ],
 )
@@ -707,3 +714,207 @@ def test_config_error_fields() -> None:
         parse_server_config("link:\n  missed_heartbeats: 0\n")
     assert (info.value.name, info.value.key) == ("server.yaml", "link.missed_heartbeats")
     assert info.value.problem == "expected an integer >= 1, got 0"
+
+
+# --- the catalog sections ----------------------------------------------------------------------
+
+CATALOG = """\
+models:
+  smollm2-135m: {path: /models/SmolLM2-135M-Instruct.Q4_1.gguf, format: gguf}
+  org/qwen: {path: Qwen/Qwen2.5-7B-Instruct, format: safetensors}
+profiles:
+  smollm2-cpu:
+    model: smollm2-135m
+    engine: llamacpp
+    gpu_class: null
+    memory_mib: 1024
+    cpu_cores: 2
+  qwen-h100:
+    model: org/qwen
+    engine: vllm
+    gpu_class: h100-80g
+    gpus_per_node: 2
+    nodes: 2
+    tensor_parallel: 2
+    pipeline_parallel: 2
+    memory_mib: 70000
+    flags: [--enable-prefix-caching]
+    adapters:
+      - {name: sql, path: /adapters/sql}
+    max_replicas: 3
+    band: -1
+    startup_timeout: 15m
+    spread: true
+"""
+
+
+def test_catalog_sections() -> None:
+    config = parse_server_config(CATALOG)
+    assert config.models == (
+        Model(name="smollm2-135m", path="/models/SmolLM2-135M-Instruct.Q4_1.gguf", format="gguf"),
+        Model(name="org/qwen", path="Qwen/Qwen2.5-7B-Instruct", format="safetensors"),
+    )
+    cpu, gpu = config.profiles
+    assert cpu == Profile(
+        name="smollm2-cpu",
+        model="smollm2-135m",
+        engine="llamacpp",
+        gpu_class=None,
+        memory_mib=1024,
+        cpu_cores=2,
+    )
+    assert (gpu.name, gpu.gpus_per_node, gpu.nodes, gpu.tensor_parallel, gpu.pipeline_parallel) == (
+        "qwen-h100", 2, 2, 2, 2
+    )  # fmt: skip
+    assert gpu.flags == ("--enable-prefix-caching",)
+    assert gpu.adapters == (Adapter(name="sql", path="/adapters/sql"),)
+    assert (gpu.max_replicas, gpu.band, gpu.startup_timeout, gpu.spread) == (3, -1, 900.0, True)
+
+
+@pytest.mark.parametrize("text", ["models:\nprofiles:\n", "models: {}\nprofiles: {}\n"])
+def test_empty_catalog_sections(text: str) -> None:
+    assert parse_server_config(text) == ServerConfig()
+
+
+PROFILE = (
+    "profiles:\n  chat:\n    model: m\n    engine: vllm\n    gpu_class: l40s-45g\n    gpus_per_node: 1\n"
+)
+MODEL = "models:\n  m: {path: org/m, format: safetensors}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # The shape of the sections.
+        ("models: [a]\n", "server.yaml: models: expected a mapping of model names to their options, got a list"),
+        ("profiles: chat\n", 'server.yaml: profiles: expected a mapping of profile names to their options, got "chat"'),
+        ("models:\n  m: 5\n", "server.yaml: models.m: expected a mapping of options, got 5"),
+        ("models:\n  7: {path: a.gguf, format: gguf}\n", "server.yaml: models.7: expected a name (a string), got 7"),
+        (
+            "models:\n  m: {name: m, path: a.gguf, format: gguf}\n",
+            "server.yaml: models.m.name: unknown key: an entry's name is its key in models",
+        ),
+        # Unknown and missing keys.
+        (
+            "models:\n  m: {path: a.gguf, fmt: gguf}\n",
+            "server.yaml: models.m.fmt: unknown key (expected one of: path, format)",
+        ),
+        ("models:\n  m: {path: a.gguf}\n", "server.yaml: models.m.format: required option is missing"),
+        (MODEL + PROFILE + "    gpus: 2\n", "server.yaml: profiles.chat.gpus: unknown key (expected one of: model, "
+         "engine, gpu_class, gpus_per_node, nodes, tensor_parallel, pipeline_parallel, memory_mib, cpu_cores, "
+         "launcher, flags, adapters, ctx_size, parallel, dtype, quantization, min_replicas, max_replicas, band, "
+         "startup_timeout, spread)"),
+        (MODEL + PROFILE, "server.yaml: profiles.chat.memory_mib: required option is missing"),
+        (
+            MODEL + "profiles:\n  chat: {model: m, engine: llamacpp, memory_mib: 1}\n",
+            "server.yaml: profiles.chat.gpu_class: required option is missing",
+        ),
+        # Wrong types.
+        (MODEL + PROFILE + "    memory_mib: 1.5\n", "server.yaml: profiles.chat.memory_mib: expected an integer, got 1.5"),
+        (MODEL + PROFILE + "    memory_mib: '100'\n", 'server.yaml: profiles.chat.memory_mib: expected an integer, got "100"'),
+        (MODEL + PROFILE + "    memory_mib: true\n", "server.yaml: profiles.chat.memory_mib: expected an integer, got true"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    ctx_size: big\n",
+         'server.yaml: profiles.chat.ctx_size: expected an integer, got "big"'),
+        (MODEL + PROFILE + "    memory_mib: 1\n    engine: 3\n", "server.yaml: profiles.chat.engine: expected a string, got 3"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    spread: yes please\n",
+         'server.yaml: profiles.chat.spread: expected true or false, got "yes please"'),
+        (MODEL + PROFILE + "    memory_mib: 1\n    flags: --enforce-eager\n",
+         'server.yaml: profiles.chat.flags: expected a list, got "--enforce-eager"'),
+        (MODEL + PROFILE + "    memory_mib: 1\n    flags: [--a, 2]\n",
+         "server.yaml: profiles.chat.flags[1]: expected a string, got 2"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    adapters: [{name: a}]\n",
+         "server.yaml: profiles.chat.adapters[0].path: required option is missing"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    adapters: [{name: a, path: b, rank: 8}]\n",
+         "server.yaml: profiles.chat.adapters[0].rank: unknown key (expected one of: name, path)"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    startup_timeout: soon\n",
+         'server.yaml: profiles.chat.startup_timeout: expected a duration like 5s, 500ms or 2.5, got "soon"'),
+        (MODEL + PROFILE + "    memory_mib: 1\n    startup_timeout: 0s\n",
+         'server.yaml: profiles.chat.startup_timeout: expected a duration > 0, got "0s"'),
+        # The catalog's own rules, at the key that holds the mistake.
+        (PROFILE + "    memory_mib: 1\n", "server.yaml: profiles.chat.model: no model named 'm' in the catalog"),
+        (MODEL + PROFILE + "    memory_mib: 0\n", "server.yaml: profiles.chat.memory_mib: must be at least 1, not 0"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    tensor_parallel: 0\n",
+         "server.yaml: profiles.chat.tensor_parallel: must be at least 1, not 0"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    min_replicas: 3\n",
+         "server.yaml: profiles.chat.min_replicas: 3 is above max_replicas 1"),
+        ("models:\n  m: {path: org/m, format: onnx}\n",
+         "server.yaml: models.m.format: 'onnx' is not one of gguf, safetensors"),
+        ("models:\n  m.v2: {path: m.bin, format: gguf}\n",
+         "server.yaml: models.m.v2.path: a gguf model is one .gguf file, and 'm.bin' is not one"),
+        ("models:\n  my model: {path: m.gguf, format: gguf}\n",
+         "server.yaml: models.my model: expected a name of letters, digits and . _ : @ + / -, starting with a "
+         "letter or digit, at most 128 characters, got 'my model'"),
+    ],
+)  # fmt: skip
+def test_catalog_errors(text: str, message: str) -> None:
+    assert server_error(text) == message
+
+
+def test_catalog_errors_come_in_document_order() -> None:
+    # The profile comes first in the file, so its mistake is the one reported.
+    text = PROFILE + "    memory_mib: 0\n" + "models:\n  m: {path: m.bin, format: gguf}\n"
+    assert server_error(text) == "server.yaml: profiles.chat.memory_mib: must be at least 1, not 0"
+
+
+def test_catalog_error_fields() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_server_config(MODEL + PROFILE + "    memory_mib: 1\n    nodes: -2\n")
+    assert (info.value.key, info.value.problem) == ("profiles.chat.nodes", "must be at least 1, not -2")
+
+
+def catalog_example() -> str:
+    """The commented-out catalog of examples/server.yaml, uncommented."""
+    lines = (EXAMPLES / "server.yaml").read_text().splitlines()
+    start = lines.index("# models:")
+    block = [line for line in lines[start:] if line.startswith("#")]
+    return "\n".join(
+        line.removeprefix("#").removeprefix(" ") for line in block if not line.startswith("# Profiles:")
+    )
+
+
+def test_the_catalog_example_is_a_valid_catalog() -> None:
+    config = parse_server_config(catalog_example())
+    assert [model.name for model in config.models] == ["smollm2-135m", "qwen2.5-72b-instruct"]
+    assert [profile.name for profile in config.profiles] == ["smollm2-cpu", "qwen-72b-h100"]
+
+
+@pytest.mark.parametrize("cls", [Model, Profile])
+def test_the_catalog_example_shows_every_option(cls: type) -> None:
+    example = catalog_example()
+    for field in attrs.fields(cls):
+        if field.name != "name":  # an entry's key
+            assert re.search(rf"^ *{field.name}:", example, re.M), f"server.yaml's example lacks {field.name}"
+
+
+def test_catalog_file() -> None:
+    catalog = parse_catalog_file(CATALOG, "catalog.yaml")
+    assert [p.name for p in catalog.profiles] == ["smollm2-cpu", "qwen-h100"]
+    # Alone, a profile may use a model the server already has: the server judges that.
+    assert parse_catalog_file(PROFILE + "    memory_mib: 1\n", "c.yaml").profiles[0].model == "m"
+    with pytest.raises(
+        ConfigError, match=r"^c\.yaml: link: unknown key \(expected one of: models, profiles\)$"
+    ):
+        parse_catalog_file("link: {}\n", "c.yaml")
+
+
+def test_structure_catalog_reports_every_problem_by_name_or_place() -> None:
+    models, profiles, problems = structure_catalog(
+        {
+            "models": [{"name": "m", "path": "m.gguf", "format": "gguf"}, {"path": "x"}, "m2"],
+            "profiles": [{"name": "p", "model": "m", "engine": 1, "gpu_class": None, "memory_mib": "1"}],
+            "nodes": [],
+        }
+    )
+    assert models == (Model(name="m", path="m.gguf", format="gguf"),)
+    assert profiles == ()
+    assert problems == [
+        "nodes: unknown key (expected one of: models, profiles)",
+        "models[1].name: expected the entry's name, got null",
+        'models[2]: expected a mapping of options, got "m2"',
+        "profiles.p.engine: expected a string, got 1",
+        'profiles.p.memory_mib: expected an integer, got "1"',
+    ]
+    assert structure_catalog({"profiles": {"p": {}}})[2] == [
+        "profiles: expected a list of entries, got a mapping"
+    ]
+    assert structure_catalog([1])[2] == ["expected a JSON object with models and profiles, got a list"]

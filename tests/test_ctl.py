@@ -311,3 +311,268 @@ def test_command_error_goes_to_stderr_with_exit_1(context_file, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("error: cannot reach the llmgw server at http://127.0.0.1:")
+
+
+# --- the catalog --------------------------------------------------------------------------------
+
+
+def profile(name: str, **options) -> dict:
+    return {
+        "name": name,
+        "model": "smollm2-135m",
+        "engine": "llamacpp",
+        "gpu_class": None,
+        "gpus_per_node": 0,
+        "nodes": 1,
+        "tensor_parallel": 1,
+        "pipeline_parallel": 1,
+        "memory_mib": 1024,
+        "cpu_cores": 2,
+        "min_replicas": 1,
+        "max_replicas": 1,
+        "band": 0,
+        "source": "config",
+        "updated": NOW,
+        **options,
+    }
+
+
+MODELS = [
+    {
+        "name": "org/qwen",
+        "path": "Qwen/Qwen2.5-72B-Instruct",
+        "format": "safetensors",
+        "source": "api",
+        "updated": NOW,
+        "used_by": ["qwen-h100", "qwen-l40s"],
+    },
+    {"name": "unused", "path": "/m/u.gguf", "format": "gguf", "source": "api", "updated": NOW, "used_by": []},
+]
+PROFILES = [
+    profile(
+        "qwen-h100",
+        model="org/qwen",
+        engine="vllm",
+        gpu_class="h100-80g",
+        gpus_per_node=2,
+        nodes=2,
+        tensor_parallel=2,
+        pipeline_parallel=2,
+        memory_mib=70_000,
+        min_replicas=0,
+        max_replicas=3,
+        band=10,
+        source="api",
+    ),
+    profile("smollm2-cpu", memory_mib=1536),
+]
+
+
+def table_lines(table) -> list[list[str]]:
+    console = Console(record=True, width=200)
+    console.print(table)
+    return [line.split() for line in console.export_text().splitlines()]
+
+
+def test_models_table():
+    assert table_lines(render.models_table(MODELS)) == [
+        ["NAME", "FORMAT", "PATH", "PROFILES", "SOURCE"],
+        ["org/qwen", "safetensors", "Qwen/Qwen2.5-72B-Instruct", "qwen-h100,", "qwen-l40s", "api"],
+        ["unused", "gguf", "/m/u.gguf", "-", "api"],
+    ]
+
+
+def test_profiles_table():
+    assert table_lines(render.profiles_table(PROFILES)) == [
+        ["NAME", "MODEL", "ENGINE", "ON", "TP×PP", "REPLICAS", "BAND", "SOURCE"],
+        ["qwen-h100", "org/qwen", "vllm", "2×", "h100-80g", "×", "2", "nodes", "2×2", "0–3", "10", "api"],
+        ["smollm2-cpu", "smollm2-135m", "llamacpp", "cpu", "1.5", "GiB", "1×1", "1–1", "0", "config"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        ({"gpu_class": "l40s-45g", "gpus_per_node": 1}, "1× l40s-45g"),
+        ({"gpu_class": "h100-80g", "gpus_per_node": 8, "nodes": 4}, "8× h100-80g × 4 nodes"),
+        ({"memory_mib": 4096}, "cpu 4 GiB"),
+        ({"memory_mib": 1000}, "cpu 1.0 GiB"),
+    ],
+)
+def test_profile_on(options: dict, text: str):
+    assert render.profile_on(profile("p", **options)) == text
+
+
+class CatalogClient:
+    """Answers like the admin API, and remembers what was sent."""
+
+    sent: list[tuple[str, str, object]] = []
+    refusal: str | None = None
+
+    def __init__(self, server: str, token: str | None) -> None:
+        pass
+
+    def get(self, path: str):
+        return {"/admin/v1/models": {"models": MODELS}, "/admin/v1/profiles": {"profiles": PROFILES}}[path]
+
+    def post(self, path: str, body=None):
+        self.sent.append(("POST", path, body))
+        if self.refusal:
+            raise CtlError(self.refusal)
+        if path == "/admin/v1/catalog":
+            changes = [{"kind": "model", "name": m["name"], "change": "unchanged"} for m in body["models"]]
+            return {
+                "changes": changes
+                + [{"kind": "profile", "name": p["name"], "change": "created"} for p in body["profiles"]]
+            }
+        return {**PROFILES[0], "min_replicas": 2, "max_replicas": 2}
+
+    def delete(self, path: str):
+        self.sent.append(("DELETE", path, None))
+        return {"deleted": {"kind": "model", "name": "org/qwen"}}
+
+
+@pytest.fixture
+def catalog_client(context_file, monkeypatch):
+    monkeypatch.setattr(commands, "AdminClient", CatalogClient)
+    monkeypatch.setattr(CatalogClient, "sent", [])
+    monkeypatch.setattr(CatalogClient, "refusal", None)
+    return CatalogClient
+
+
+def run(argv: list[str]) -> int:
+    args = parse(["ctl", "--token", "t", *argv])
+    return args.func(args)
+
+
+def test_models_and_profiles_tables_and_json(catalog_client, capsys):
+    assert run(["models"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["NAME", "FORMAT", "PATH", "PROFILES", "SOURCE"]
+    assert "\x1b[" not in out
+    assert run(["profiles"]) == 0
+    assert "2× h100-80g × 2 nodes" in capsys.readouterr().out
+    assert run(["profiles", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"profiles": PROFILES}
+
+
+def test_empty_listings_say_how_to_fill_them(catalog_client, monkeypatch, capsys):
+    monkeypatch.setattr(CatalogClient, "get", lambda self, path: {"models": []})
+    assert run(["models"]) == 0
+    assert capsys.readouterr().out == (
+        "no models in the catalog: declare them in server.yaml, or add them with `llmgw ctl apply -f FILE`\n"
+    )
+
+
+CATALOG_FILE = """\
+models:
+  org/qwen: {path: Qwen/Qwen2.5-72B-Instruct, format: safetensors}
+profiles:
+  qwen-h100:
+    model: org/qwen
+    engine: vllm
+    gpu_class: h100-80g
+    gpus_per_node: 2
+    tensor_parallel: 2
+    memory_mib: 70000
+    startup_timeout: 20m
+"""
+
+
+def test_apply_sends_the_file_as_named_entries_and_prints_what_changed(catalog_client, tmp_path, capsys):
+    path = tmp_path / "catalog.yaml"
+    path.write_text(CATALOG_FILE)
+    assert run(["apply", "-f", str(path)]) == 0
+    assert capsys.readouterr().out == "model org/qwen: unchanged\nprofile qwen-h100: created\n"
+    [(method, url, body)] = catalog_client.sent
+    assert (method, url) == ("POST", "/admin/v1/catalog")
+    assert body["models"] == [
+        {"name": "org/qwen", "path": "Qwen/Qwen2.5-72B-Instruct", "format": "safetensors"}
+    ]
+    [sent] = body["profiles"]
+    assert (sent["name"], sent["tensor_parallel"], sent["startup_timeout"], sent["flags"]) == (
+        "qwen-h100",
+        2,
+        1200.0,
+        [],
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("profiles:\n  p:\n    memory_mib: lots\n", 'profiles.p.memory_mib: expected an integer, got "lots"'),
+        (
+            "profiles: [\n",
+            "line 2: while parsing a flow node, expected the node content, but found '<stream end>'",
+        ),
+        ("nodes: {}\n", "nodes: unknown key (expected one of: models, profiles)"),
+        ("models: {}\n", "no models or profiles to apply"),
+    ],
+)
+def test_apply_reports_a_bad_file_before_sending_it(catalog_client, tmp_path, capsys, text, error):
+    path = tmp_path / "catalog.yaml"
+    path.write_text(text)
+    assert run(["apply", "-f", str(path)]) == 1
+    assert capsys.readouterr().err == f"error: {path}: {error}\n"
+    assert catalog_client.sent == []
+
+
+def test_apply_prints_the_servers_problems_one_per_line(catalog_client, tmp_path, capsys):
+    catalog_client.refusal = (
+        "server answered 400: nothing was applied:\n"
+        "  profiles.qwen-h100.model: no model named 'org/qwen' in the catalog\n"
+        "  profiles.qwen-h100.memory_mib: must be at least 1, not 0"
+    )
+    path = tmp_path / "catalog.yaml"
+    path.write_text(CATALOG_FILE)
+    assert run(["apply", "-f", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: server answered 400: nothing was applied:",
+        "  profiles.qwen-h100.model: no model named 'org/qwen' in the catalog",
+        "  profiles.qwen-h100.memory_mib: must be at least 1, not 0",
+    ]
+
+
+def test_apply_of_a_missing_file(catalog_client, tmp_path, capsys):
+    assert run(["apply", "-f", str(tmp_path / "nope.yaml")]) == 1
+    assert (
+        capsys.readouterr().err == f"error: cannot read {tmp_path / 'nope.yaml'}: No such file or directory\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "body"),
+    [
+        (["--replicas", "2"], {"replicas": 2}),
+        (["--min", "1", "--max", "4"], {"min_replicas": 1, "max_replicas": 4}),
+        (["--max", "4"], {"max_replicas": 4}),
+    ],
+)
+def test_scale_sends_the_bounds(catalog_client, capsys, argv, body):
+    assert run(["scale", "org/x", *argv]) == 0
+    assert catalog_client.sent == [("POST", "/admin/v1/profiles/org%2Fx/scale", body)]
+    assert capsys.readouterr().out == "profile qwen-h100: 2–2 replicas\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        ([], "give --replicas N, or --min N and/or --max M"),
+        (["--replicas", "2", "--min", "1"], "give --replicas N, or --min N and/or --max M, not both"),
+    ],
+)
+def test_scale_needs_one_way_of_saying_it(catalog_client, capsys, argv, error):
+    assert run(["scale", "p", *argv]) == 1
+    assert capsys.readouterr().err == f"error: {error}\n"
+    assert catalog_client.sent == []
+
+
+def test_delete(catalog_client, capsys):
+    assert run(["delete", "model", "org/qwen"]) == 0
+    assert catalog_client.sent == [("DELETE", "/admin/v1/models/org%2Fqwen", None)]
+    assert capsys.readouterr().out == "model org/qwen: deleted\n"
+    assert run(["delete", "profile", "p", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"deleted": {"kind": "model", "name": "org/qwen"}}
+    with pytest.raises(SystemExit):
+        parse(["ctl", "delete", "adapter", "x"])

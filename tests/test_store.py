@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import apsw
 import pytest
 import trio
 
@@ -15,6 +16,7 @@ from llmgw.server.store import (
     MIGRATIONS,
     SCHEMA_VERSION,
     AsyncStore,
+    CatalogRow,
     NodeRow,
     Store,
     StoreError,
@@ -112,6 +114,31 @@ def test_existing_loose_db_file_is_tightened(data_dir: Path):
     assert mode(db) == 0o600
 
 
+def test_a_version_1_database_is_migrated_and_keeps_its_data(data_dir: Path):
+    # A database as the first release left it: migration 1 only.
+    data_dir.mkdir()
+    path = data_dir / DB_FILENAME
+    with sqlite3.connect(path) as conn:
+        conn.executescript(MIGRATIONS[0][1])
+        conn.execute("INSERT INTO nodes VALUES ('n1', '0.1.0', '{}', 'online', 1.0, 2.0, 1.0)")
+        conn.execute("INSERT INTO secrets VALUES ('engine-key', x'00ff', 1.0)")
+        conn.execute("PRAGMA user_version = 1")
+    conn.close()
+
+    store = Store.open(data_dir)
+    try:
+        assert user_version(path) == 2
+        assert [n.name for n in store.list_nodes()] == ["n1"]
+        assert store.get_secret("engine-key") == b"\x00\xff"
+        assert store.list_catalog() == []
+        store.save_catalog_entry("model", "m", '{"path": "m.gguf", "format": "gguf"}', "api", 3.0)
+        assert store.list_catalog() == [
+            CatalogRow("model", "m", '{"path": "m.gguf", "format": "gguf"}', "api", 3.0)
+        ]
+    finally:
+        store.close()
+
+
 # --- nodes ------------------------------------------------------------------------------------
 
 
@@ -134,6 +161,66 @@ def test_list_is_ordered_by_name_and_delete_reports_existence(store: Store):
     assert store.delete_node("n2")
     assert not store.delete_node("n2")
     assert [n.name for n in store.list_nodes()] == ["n1", "n3"]
+
+
+# --- catalog ----------------------------------------------------------------------------------
+
+
+def row(kind: str, name: str, source: str, spec: str = "{}", updated: float = 1.0) -> CatalogRow:
+    return CatalogRow(kind, name, spec, source, updated)
+
+
+def test_catalog_rows_are_listed_by_kind_then_name_and_deleted_by_both(store: Store):
+    store.save_catalog_entries(
+        [row("profile", "b", "api"), row("model", "b", "api"), row("model", "a", "config")]
+    )
+    assert [(r.kind, r.name) for r in store.list_catalog()] == [
+        ("model", "a"),
+        ("model", "b"),
+        ("profile", "b"),
+    ]
+
+    store.save_catalog_entry("model", "b", '{"x": 1}', "api", 2.0)
+    assert store.list_catalog()[1] == row("model", "b", "api", '{"x": 1}', 2.0)
+
+    assert store.delete_catalog_entry("model", "b")
+    assert not store.delete_catalog_entry("model", "b")
+    assert [(r.kind, r.name) for r in store.list_catalog()] == [("model", "a"), ("profile", "b")]
+
+
+def test_catalog_rows_are_checked(store: Store):
+    with pytest.raises(apsw.ConstraintError):
+        store.save_catalog_entry("adapter", "x", "{}", "api", 1.0)
+    with pytest.raises(apsw.ConstraintError):
+        store.save_catalog_entry("model", "x", "{}", "yaml", 1.0)
+
+
+def test_replace_config_entries(store: Store):
+    store.save_catalog_entries(
+        [
+            row("model", "old", "config"),
+            row("model", "used", "config"),
+            row("profile", "mine", "api"),
+            row("profile", "taken", "api"),
+        ]
+    )
+    store.replace_config_entries(
+        [row("model", "new", "config"), row("profile", "taken", "config", '{"band": 1}')],
+        keep=[("model", "used")],
+    )
+    assert store.list_catalog() == [
+        row("model", "new", "config"),
+        row("model", "used", "api"),  # dropped from the config, kept for its users
+        row("profile", "mine", "api"),
+        row("profile", "taken", "config", '{"band": 1}'),  # the config took the name over
+    ]
+
+
+def test_replace_config_entries_is_one_transaction(store: Store):
+    store.save_catalog_entries([row("model", "old", "config")])
+    with pytest.raises(apsw.ConstraintError):
+        store.replace_config_entries([row("model", "new", "config"), row("model", "bad", "nobody")])
+    assert store.list_catalog() == [row("model", "old", "config")]
 
 
 # --- secrets ----------------------------------------------------------------------------------

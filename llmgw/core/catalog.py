@@ -11,6 +11,7 @@ attrs, so cattrs structures them from the server's configuration without hooks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import attrs
@@ -21,6 +22,12 @@ frozen = attrs.frozen(kw_only=True)
 
 MODEL_FORMATS = ("gguf", "safetensors")
 _DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+
+# Names travel in URLs, table columns, log lines and one-line errors, so no spaces or control
+# characters; '/' and ':' stay allowed because clients know models by hub ids ("org/model") and
+# tags ("llama3.1:8b").
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
+NAME_RULE = "letters, digits and . _ : @ + / -, starting with a letter or digit, at most 128 characters"
 
 
 @frozen
@@ -57,6 +64,13 @@ class Profile:
     # Placement's score: False packs replicas onto the fullest nodes that fit, keeping whole
     # nodes free for large profiles; True spreads them over the emptiest.
     spread: bool = False
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a model or a profile; None when it can."""
+    if _NAME.fullmatch(name):
+        return None
+    return f"expected a name of {NAME_RULE}, got {name!r}"
 
 
 def validate_model(model: Model) -> list[str]:

@@ -31,6 +31,9 @@ class AdminClient:
     def post(self, path: str, body: Any = None) -> Any:
         return self._request("POST", path, body)
 
+    def delete(self, path: str) -> Any:
+        return self._request("DELETE", path, None)
+
     def _request(self, method: str, path: str, body: Any) -> Any:
         url = self.server + path
         headers = {"Accept": "application/json"}

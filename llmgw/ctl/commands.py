@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+from llmgw.config import ConfigError, converter, parse_catalog_file
 from llmgw.ctl import render
 from llmgw.ctl.client import AdminClient, CtlError
 from llmgw.ctl.context import context_path, resolve, save_context
@@ -46,7 +47,24 @@ examples:
   llmgw ctl node show gpu-node-07
   llmgw ctl node ping gpu-node-07
   llmgw ctl --json nodes | jq '.nodes[].name'
+  llmgw ctl apply -f catalog.yaml
+  llmgw ctl profiles
+  llmgw ctl scale smollm2-cpu --replicas 2
 """
+
+APPLY_DESCRIPTION = """\
+Creates or replaces catalog entries from FILE, all of them or none. FILE has the
+shape of server.yaml's catalog sections:
+
+  models:
+    NAME: {path: ..., format: gguf | safetensors}
+  profiles:
+    NAME: {model: ..., engine: ..., gpu_class: ..., memory_mib: ..., ...}
+
+Entries declared in server.yaml cannot be changed here; edit server.yaml instead.
+"""
+
+NO_CATALOG_HINT = "declare them in server.yaml, or add them with `llmgw ctl apply -f FILE`"
 
 CONTEXT_SET_DESCRIPTION = """\
 Saves the server address and the admin token for later ctl commands, in the
@@ -67,7 +85,7 @@ examples:
 def add_ctl_parser(subparsers) -> None:
     ctl = subparsers.add_parser(
         "ctl",
-        help="operate a running server: nodes, contexts",
+        help="operate a running server: nodes, catalog, contexts",
         description=CTL_DESCRIPTION,
         epilog=CTL_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -99,6 +117,30 @@ def add_ctl_parser(subparsers) -> None:
     )
     ping.add_argument("name", metavar="NAME", help="the node's name, as `llmgw ctl nodes` lists it")
     _add_json_flag(ping)
+
+    models = _add(commands, "models", "list the catalog's models and the profiles using each", _models)
+    _add_json_flag(models)
+    profiles = _add(commands, "profiles", "list the catalog's profiles: how each model is served", _profiles)
+    _add_json_flag(profiles)
+
+    apply = _add(commands, "apply", "create or replace catalog entries from a YAML file", _apply)
+    apply.description = APPLY_DESCRIPTION
+    apply.add_argument("-f", "--file", type=Path, metavar="FILE", required=True, help="the catalog file")
+    _add_json_flag(apply)
+
+    scale = _add(commands, "scale", "set how many replicas a profile runs", _scale)
+    scale.add_argument(
+        "profile", metavar="PROFILE", help="the profile's name, as `llmgw ctl profiles` lists it"
+    )
+    scale.add_argument("--replicas", type=int, metavar="N", help="exactly N replicas (min and max both N)")
+    scale.add_argument("--min", type=int, metavar="N", help="at least N replicas")
+    scale.add_argument("--max", type=int, metavar="M", help="at most M replicas")
+    _add_json_flag(scale)
+
+    delete = _add(commands, "delete", "remove a model or a profile from the catalog", _delete)
+    delete.add_argument("kind", choices=("model", "profile"), help="what to remove")
+    delete.add_argument("name", metavar="NAME", help="its name, as `llmgw ctl models` or `profiles` lists it")
+    _add_json_flag(delete)
 
     context = commands.add_parser(
         "context",
@@ -200,6 +242,86 @@ def _node_ping(args: argparse.Namespace) -> int:
         print(f"{answer['node']}: answered in {answer['rtt_ms']:.1f} ms, but with the wrong payload")
     # A wrong payload means the link mixes up replies: a bug worth a failing exit code.
     return 0 if answer["payload_ok"] else EXIT_ERROR
+
+
+def _models(args: argparse.Namespace) -> int:
+    answer = _client(args).get("/admin/v1/models")
+    if args.json:
+        render.print_json(answer)
+    elif not answer["models"]:
+        print(f"no models in the catalog: {NO_CATALOG_HINT}")
+    else:
+        render.make_console().print(render.models_table(answer["models"]))
+    return 0
+
+
+def _profiles(args: argparse.Namespace) -> int:
+    answer = _client(args).get("/admin/v1/profiles")
+    if args.json:
+        render.print_json(answer)
+    elif not answer["profiles"]:
+        print(f"no profiles in the catalog: {NO_CATALOG_HINT}")
+    else:
+        render.make_console().print(render.profiles_table(answer["profiles"]))
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CtlError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    # Checked here first, so that a typo is reported against the file; what depends on the
+    # catalog as it stands (does the model exist?) only the server can judge.
+    try:
+        catalog = parse_catalog_file(text, str(path))
+    except ConfigError as e:
+        raise CtlError(str(e)) from None
+    if not catalog.models and not catalog.profiles:
+        raise CtlError(f"{path}: no models or profiles to apply")
+    body = {
+        "models": converter.unstructure(catalog.models),
+        "profiles": converter.unstructure(catalog.profiles),
+    }
+    answer = _client(args).post("/admin/v1/catalog", body)
+    if args.json:
+        render.print_json(answer)
+    else:
+        for change in answer["changes"]:
+            print(f"{change['kind']} {change['name']}: {change['change']}")
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        if args.min is not None or args.max is not None:
+            raise CtlError("give --replicas N, or --min N and/or --max M, not both")
+        body = {"replicas": args.replicas}
+    elif args.min is None and args.max is None:
+        raise CtlError("give --replicas N, or --min N and/or --max M")
+    else:
+        body = {
+            key: value
+            for key, value in (("min_replicas", args.min), ("max_replicas", args.max))
+            if value is not None
+        }
+    profile = _client(args).post(f"/admin/v1/profiles/{quote(args.profile, safe='')}/scale", body)
+    if args.json:
+        render.print_json(profile)
+    else:
+        print(f"profile {profile['name']}: {profile['min_replicas']}–{profile['max_replicas']} replicas")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    client = _client(args)
+    answer = client.delete(f"/admin/v1/{args.kind}s/{quote(args.name, safe='')}")
+    if args.json:
+        render.print_json(answer)
+    else:
+        print(f"{args.kind} {args.name}: deleted")
+    return 0
 
 
 def _context_set(args: argparse.Namespace) -> int:

@@ -25,8 +25,16 @@ MIB_PER_GIB = 1024
 STATE_STYLES = {"online": "green", "lost": "red"}
 
 
+# Piped output is for grep and awk: rich's 80-column default for a pipe would cut values short
+# with "…", so a pipe gets room for any row.
+PIPED_WIDTH = 1000
+
+
 def make_console() -> Console:
-    return Console(no_color=bool(os.environ.get("NO_COLOR")))
+    console = Console(no_color=bool(os.environ.get("NO_COLOR")))
+    if not console.is_terminal:
+        console.width = PIPED_WIDTH
+    return console
 
 
 def print_json(data: Any) -> None:
@@ -140,3 +148,53 @@ def shards_table(shards: list[dict]) -> Table:
             shard.get("reason", ""),
         )
     return table
+
+
+# --- the catalog ------------------------------------------------------------------------------
+
+
+def models_table(models: list[dict]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "FORMAT", "PATH", "PROFILES", "SOURCE"):
+        table.add_column(column, no_wrap=column != "PATH")
+    for model in models:
+        table.add_row(
+            Text(model["name"]),
+            Text(model["format"]),
+            Text(model["path"]),
+            Text(", ".join(model["used_by"]) or "-"),
+            Text(model["source"]),
+        )
+    return table
+
+
+def profiles_table(profiles: list[dict]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "MODEL", "ENGINE", "ON", "TP×PP", "REPLICAS", "BAND", "SOURCE"):
+        table.add_column(column, no_wrap=True, justify="right" if column == "BAND" else "left")
+    for profile in profiles:
+        table.add_row(
+            Text(profile["name"]),
+            Text(profile["model"]),
+            Text(profile["engine"]),
+            Text(profile_on(profile)),
+            Text(f"{profile['tensor_parallel']}×{profile['pipeline_parallel']}"),
+            Text(f"{profile['min_replicas']}–{profile['max_replicas']}"),
+            Text(str(profile["band"])),
+            Text(profile["source"]),
+        )
+    return table
+
+
+def profile_on(profile: dict) -> str:
+    """What one replica takes: ``2× h100-80g × 2 nodes``, ``1× l40s-45g``, or ``cpu 4 GiB``."""
+    if profile["gpu_class"] is None:
+        return f"cpu {gib(profile['memory_mib'])}"
+    on = f"{profile['gpus_per_node']}× {profile['gpu_class']}"
+    return on + (f" × {profile['nodes']} nodes" if profile["nodes"] > 1 else "")
+
+
+def gib(mib: int) -> str:
+    """``4 GiB`` for whole GiB, ``1.5 GiB`` otherwise."""
+    whole, rest = divmod(mib, MIB_PER_GIB)
+    return f"{whole} GiB" if not rest else f"{mib / MIB_PER_GIB:.1f} GiB"

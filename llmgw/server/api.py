@@ -9,10 +9,13 @@ show the server's own words to the operator.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
+import attrs
 import cattrs
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -22,9 +25,12 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from llmgw import __version__
+from llmgw.config import structure_catalog
+from llmgw.core.catalog import Profile
 from llmgw.core.keys import engine_key
 from llmgw.core.shard import ShardSpec
 from llmgw.server import tokens
+from llmgw.server.catalog import Catalog, CatalogError, Entry, Invalid, NotFound, Refused, spec_options
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
@@ -59,6 +65,7 @@ UNAUTHORIZED_MESSAGE = (
 
 async def serve_admin(
     registry: NodeRegistry,
+    catalog: Catalog,
     admin_digest: bytes,
     engine_secret: bytes | None,
     host: str,
@@ -77,11 +84,14 @@ async def serve_admin(
     async with trio.open_nursery() as nursery:
         # hypercorn reports its binds as URLs ("http://127.0.0.1:40313", "http://[::1]:40313")
         # made from getsockname(), so the port in them is the one actually bound.
-        binds = await nursery.start(serve, make_app(registry, admin_digest, engine_secret), config)
+        app = make_app(registry, catalog, admin_digest, engine_secret)
+        binds = await nursery.start(serve, app, config)
         task_status.started(urlsplit(binds[0]).port)
 
 
-def make_app(registry: NodeRegistry, admin_digest: bytes, engine_secret: bytes | None = None) -> QuartTrio:
+def make_app(
+    registry: NodeRegistry, catalog: Catalog, admin_digest: bytes, engine_secret: bytes | None = None
+) -> QuartTrio:
     app = QuartTrio(__name__)
 
     @app.before_request
@@ -174,6 +184,63 @@ def make_app(registry: NodeRegistry, admin_digest: bytes, engine_secret: bytes |
             return _error(409, "refused", f'node "{name}": {message}')
         return jsonify(node=name, ok=True, message=reply.message)
 
+    # --- the catalog ------------------------------------------------------------------------------
+    # Names may hold '/' (hub ids like "org/model"), hence the path converter.
+
+    @app.get("/admin/v1/models")
+    async def list_models() -> Response:
+        profiles = catalog.profiles().values()
+        return jsonify(models=[model_json(entry, profiles) for entry in catalog.entries("model")])
+
+    @app.get("/admin/v1/profiles")
+    async def list_profiles() -> Response:
+        return jsonify(profiles=[entry_json(entry) for entry in catalog.entries("profile")])
+
+    @app.post("/admin/v1/catalog")
+    async def apply_catalog() -> Response:
+        models, profiles, problems = structure_catalog(await request.get_json(silent=True))
+        try:
+            if problems:
+                raise Invalid(problems)
+            changes = await catalog.apply(models, profiles)
+        except CatalogError as e:
+            return _catalog_error(e, "nothing was applied")
+        for change in changes:
+            if change.change != "unchanged":
+                log.info("catalog: %s %s %s through the admin API", change.kind, change.name, change.change)
+        return jsonify(changes=[attrs.asdict(change) for change in changes])
+
+    @app.post("/admin/v1/profiles/<path:name>/scale")
+    async def scale_profile(name: str) -> Response:
+        try:
+            low, high = _scale_bounds(await request.get_json(silent=True))
+            entry = await catalog.scale(name, low, high)
+        except CatalogError as e:
+            return _catalog_error(e, "the profile is unchanged")
+        log.info(
+            "catalog: profile %s scaled to %d-%d replicas through the admin API",
+            name,
+            entry.spec.min_replicas,
+            entry.spec.max_replicas,
+        )
+        return jsonify(entry_json(entry))
+
+    @app.delete("/admin/v1/models/<path:name>")
+    async def delete_model(name: str) -> Response:
+        return await _remove("model", name)
+
+    @app.delete("/admin/v1/profiles/<path:name>")
+    async def delete_profile(name: str) -> Response:
+        return await _remove("profile", name)
+
+    async def _remove(kind: str, name: str) -> Response:
+        try:
+            await catalog.remove(kind, name)
+        except CatalogError as e:
+            return _catalog_error(e, f"the {kind} is still there")
+        log.info("catalog: %s %s removed through the admin API", kind, name)
+        return jsonify(deleted={"kind": kind, "name": name})
+
     @app.errorhandler(HTTPException)
     async def http_error(e: HTTPException) -> Response:
         # Routing's 404 and 405; werkzeug's descriptions are written for browsers.
@@ -202,6 +269,61 @@ def node_json(node: Node) -> dict:
         "inventory": converter.unstructure(node.inventory),
         "shards": [converter.unstructure(shard) for shard in node.shards.values()],
     }
+
+
+def entry_json(entry: Entry) -> dict:
+    return {"name": entry.name, **spec_options(entry.spec), "source": entry.source, "updated": entry.updated}
+
+
+def model_json(entry: Entry, profiles: Iterable[Profile]) -> dict:
+    used_by = sorted(profile.name for profile in profiles if profile.model == entry.name)
+    return {**entry_json(entry), "used_by": used_by}
+
+
+SCALE_KEYS = ("replicas", "min_replicas", "max_replicas")
+
+
+def _scale_bounds(body: object) -> tuple[int | None, int | None]:
+    """(min_replicas, max_replicas) from ``{"replicas": n}`` (both n) or either or both bounds."""
+    if not isinstance(body, dict) or not body:
+        raise Invalid(['expected a JSON object: {"replicas": n}, or {"min_replicas": n, "max_replicas": m}'])
+    problems = [
+        f"{key}: unknown key (expected one of: {', '.join(SCALE_KEYS)})"
+        for key in body
+        if key not in SCALE_KEYS
+    ]
+    problems += [
+        f"{key}: expected an integer, got {json.dumps(value)}"
+        for key, value in body.items()
+        if key in SCALE_KEYS and (isinstance(value, bool) or not isinstance(value, int))
+    ]
+    if "replicas" in body and len(body) > 1:
+        problems.append("replicas: give replicas alone, or min_replicas and max_replicas, not both")
+    if problems:
+        raise Invalid(problems)
+    if "replicas" in body:
+        return body["replicas"], body["replicas"]
+    return body.get("min_replicas"), body.get("max_replicas")
+
+
+_CATALOG_STATUS = {
+    Invalid: (400, "invalid_request"),
+    Refused: (409, "conflict"),
+    NotFound: (404, "not_found"),
+}
+
+
+def _catalog_error(e: CatalogError, outcome: str) -> Response:
+    """One problem reads as one line; several as ``outcome:`` and then one per line, so that ctl
+    can print the server's message as it is. ``problems`` keeps them apart for programs."""
+    status, kind = _CATALOG_STATUS[type(e)]
+    if len(e.problems) == 1:
+        message = e.problems[0]
+    else:
+        message = f"{outcome}:" + "".join(f"\n  {problem}" for problem in e.problems)
+    response = jsonify(error={"message": message, "type": kind, "problems": e.problems})
+    response.status_code = status
+    return response
 
 
 def _first_problem(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from llmgw.core import keys
 from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
 from llmgw.server.api import serve_admin
+from llmgw.server.catalog import Catalog
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.store import AsyncStore, Store
@@ -45,6 +46,13 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             store, Liveness(interval=config.link.heartbeat_interval, missed=config.link.missed_heartbeats)
         )
         await registry.load()
+        catalog = await Catalog.load(store, config.models, config.profiles)
+        log.info(
+            "catalog: %d models, %d profiles (%d entries declared in server.yaml)",
+            len(catalog.models()),
+            len(catalog.profiles()),
+            len(config.models) + len(config.profiles),
+        )
         listener = LinkListener(
             registry,
             join_digest,
@@ -58,6 +66,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             admin_port = await nursery.start(
                 serve_admin,
                 registry,
+                catalog,
                 admin_digest,
                 engine_secret,
                 config.admin.listen.host,

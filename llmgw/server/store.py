@@ -47,6 +47,19 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ) STRICT;
         """,
     ),
+    (
+        2,
+        """
+        CREATE TABLE catalog (
+            kind TEXT NOT NULL CHECK (kind IN ('model', 'profile')),
+            name TEXT NOT NULL,
+            spec TEXT NOT NULL,  -- JSON: the entry's options, as under its name in server.yaml
+            source TEXT NOT NULL CHECK (source IN ('config', 'api')),
+            updated REAL NOT NULL,
+            PRIMARY KEY (kind, name)
+        ) STRICT;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -71,6 +84,22 @@ class NodeRow:
 
 
 _NODE_COLUMNS = "name, agent_version, inventory, state, first_seen, last_seen, state_since"
+
+CATALOG_KINDS = ("model", "profile")
+# Who owns a catalog entry: server.yaml (re-applied at every start) or the admin API.
+CATALOG_SOURCES = ("config", "api")
+
+
+@attrs.frozen
+class CatalogRow:
+    kind: str  # one of CATALOG_KINDS
+    name: str
+    spec: str  # JSON text; decoding it is the caller's business
+    source: str  # one of CATALOG_SOURCES
+    updated: float
+
+
+_CATALOG_COLUMNS = "kind, name, spec, source, updated"
 
 
 class Store:
@@ -139,6 +168,45 @@ class Store:
         with self._conn:
             self._conn.execute("DELETE FROM nodes WHERE name = ?", (name,))
             return self._conn.changes() == 1
+
+    # --- catalog ------------------------------------------------------------------------------
+
+    def list_catalog(self) -> list[CatalogRow]:
+        rows = self._conn.execute(f"SELECT {_CATALOG_COLUMNS} FROM catalog ORDER BY kind, name")
+        return [CatalogRow(*row) for row in rows]
+
+    def save_catalog_entries(self, rows: Sequence[CatalogRow]) -> None:
+        """Writes these entries as given, in one transaction: an apply of many entries lands
+        whole or not at all."""
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT OR REPLACE INTO catalog ({_CATALOG_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                [attrs.astuple(row) for row in rows],
+            )
+
+    def save_catalog_entry(self, kind: str, name: str, spec: str, source: str, now: float) -> None:
+        self.save_catalog_entries([CatalogRow(kind, name, spec, source, now)])
+
+    def delete_catalog_entry(self, kind: str, name: str) -> bool:
+        with self._conn:
+            self._conn.execute("DELETE FROM catalog WHERE kind = ? AND name = ?", (kind, name))
+            return self._conn.changes() == 1
+
+    def replace_config_entries(
+        self, rows: Sequence[CatalogRow], keep: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Makes ``rows`` (all of source 'config') the config's entries, in one transaction.
+
+        Config entries not among them are deleted, except those named in ``keep`` (kind, name),
+        which become API entries; a row here replaces an API entry of the same name. API entries
+        otherwise stay as they are.
+        """
+        with self._conn:
+            self._conn.executemany(
+                "UPDATE catalog SET source = 'api' WHERE kind = ? AND name = ? AND source = 'config'", keep
+            )
+            self._conn.execute("DELETE FROM catalog WHERE source = 'config'")
+            self.save_catalog_entries(rows)
 
     # --- secrets ------------------------------------------------------------------------------
 
