@@ -101,37 +101,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from llmgw.config import ConfigError, load_server_config
+    from llmgw.config import load_server_config
     from llmgw.server.run import run_server
     from llmgw.server.store import StoreError
 
-    try:
-        config = load_server_config(args.config)
-    except ConfigError as exc:
-        return _fail("server", exc, EXIT_CONFIG)
-    _setup_logging(config.log_level)
-    try:
-        return _run_role(run_server, config)
-    except (StoreError, OSError) as exc:
-        return _fail("server", exc, EXIT_CONFIG)
+    return _serve("server", load_server_config, run_server, args.config, {StoreError: EXIT_CONFIG})
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from llmgw.agent.link import JoinRefused
     from llmgw.agent.run import AgentSetupError, run_agent
-    from llmgw.config import ConfigError, load_agent_config
+    from llmgw.config import load_agent_config
+
+    failures = {AgentSetupError: EXIT_CONFIG, JoinRefused: EXIT_REFUSED}
+    return _serve("agent", load_agent_config, run_agent, args.config, failures)
+
+
+def _serve(role: str, load, run, config_path: Path | None, failures: dict[type, int]) -> int:
+    """Loads a role's config, then runs it; a known failure exits with its status and one line."""
+    from llmgw.config import ConfigError
 
     try:
-        config = load_agent_config(args.config)
+        config = load(config_path)
     except ConfigError as exc:
-        return _fail("agent", exc, EXIT_CONFIG)
+        return _fail(role, exc, EXIT_CONFIG)
     _setup_logging(config.log_level)
+    failures = {**failures, OSError: EXIT_CONFIG}  # a port taken, a directory not writable
     try:
-        return _run_role(run_agent, config)
-    except (AgentSetupError, OSError) as exc:
-        return _fail("agent", exc, EXIT_CONFIG)
-    except JoinRefused as exc:
-        return _fail("agent", exc, EXIT_REFUSED)
+        return _run_role(run, config)
+    except tuple(failures) as exc:
+        code = next(code for kind, code in failures.items() if isinstance(exc, kind))
+        return _fail(role, exc, code)
 
 
 def _cmd_inventory(args: argparse.Namespace) -> int:
