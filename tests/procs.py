@@ -149,3 +149,22 @@ def start_agent(tmp: Path, server: Server, name: str, **extra: object) -> Proc:
         },
     )
     return Proc([*llmgw_command(), "agent", "--config", str(config)], tmp / f"agent-{name}.log")
+
+
+def kill_recorded_shards(work_dir: Path) -> None:
+    """Kills the process groups an agent's state files record under ``work_dir`` (by group, and
+    only a group whose recorded process is still the one the agent started). For a test's
+    ``finally``: an agent stopped without stop_shards_on_exit leaves its engines running."""
+    from llmgw.agent import shard_state
+    from llmgw.agent.processes import read_stat
+
+    for _directory, record in shard_state.read_all(work_dir / "shards"):
+        if isinstance(record, ValueError):
+            continue
+        for process in record.processes:
+            stat = read_stat(process.pid)
+            if stat is not None and stat.start_time == process.start_time:
+                try:
+                    os.killpg(process.pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -1,17 +1,18 @@
-"""A real llama.cpp shard through the whole chain: server → link → agent → supervisor → engine.
+"""A real llama.cpp replica through the whole chain: catalog → reconciler → link → agent →
+supervisor → engine.
 
-The server starts the shard, the engine serves SmolLM2 with its replica's key and refuses requests
-without it; the agent is killed with -9 and started again, and the same engine process — never
-restarted — is adopted, Ready again, and still serving; stopping the shard leaves nothing behind.
+A profile in the catalog becomes a replica without anyone naming a node; the engine serves SmolLM2
+with its replica's key and refuses requests without it. The agent is killed with -9 and started
+again: the same engine process is adopted and Ready again. The server is killed with -9 and
+started again: it rebuilds the replica from the agent's report, and the engine — never restarted —
+still serves. Scaled to zero, the replica drains and nothing of it is left.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pwd
 import shutil
-import signal
 import socket
 import tempfile
 import time
@@ -22,13 +23,10 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.processes import read_stat
-from tests.procs import Server, start_agent, wait_until
+from tests.procs import Server, kill_recorded_shards, start_agent, wait_until
 from tests.real_parts import llama_server, require_llama_server, require_smollm2, smollm2_gguf
 
 pytestmark = pytest.mark.slow
-
-REPLICA = "r-e2e"
-SHARD = "r-e2e-s0"
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +82,9 @@ def chat(port: int, key: str | None) -> int:
         return e.code
 
 
-def shard_view(server: Server, node: str) -> dict | None:
+def shard_view(server: Server, node: str, shard_id: str) -> dict | None:
     shards = {s["shard_id"]: s for s in admin(server, "GET", f"/admin/v1/nodes/{node}")["shards"]}
-    return shards.get(SHARD)
+    return shards.get(shard_id)
 
 
 def alive(pid: int) -> bool:
@@ -94,7 +92,18 @@ def alive(pid: int) -> bool:
     return stat is not None and stat.alive
 
 
-def test_llamacpp_shard_started_adopted_after_agent_kill_and_stopped(tmp_path, public_parts, engine_user):
+def replicas(server: Server) -> list[dict]:
+    return admin(server, "GET", "/admin/v1/replicas")["replicas"]
+
+
+def ready_replica(server: Server) -> dict | None:
+    ready = [r for r in replicas(server) if r["state"] == "Ready"]
+    return ready[0] if ready else None
+
+
+def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
+    tmp_path, public_parts, engine_user
+):
     binary, model = public_parts
     server = Server(tmp_path, heartbeat_interval=0.5).start()
     engines = {"llama_server": str(binary), "run_as": engine_user, "stop_grace": "5s"}
@@ -102,34 +111,40 @@ def test_llamacpp_shard_started_adopted_after_agent_kill_and_stopped(tmp_path, p
     engine_pid = 0
     try:
         wait_until(lambda: server.nodes().get("cpu-1", {}).get("connected"), "the agent", proc=agent)
-        port = free_port()
-        spec = {
-            "shard_id": SHARD,
-            "replica_id": REPLICA,
-            "model": "smollm2",
-            "model_path": str(model),
-            "engine": "llamacpp",
-            "port": port,
-            "ctx_size": 2048,
-            "parallel": 2,
+        catalog = {
+            "models": [{"name": "smollm2", "path": str(model), "format": "gguf"}],
+            "profiles": [
+                {
+                    "name": "smollm2-cpu",
+                    "model": "smollm2",
+                    "engine": "llamacpp",
+                    "gpu_class": None,
+                    "memory_mib": 512,
+                    "cpu_cores": 1,
+                    "ctx_size": 2048,
+                    "parallel": 2,
+                    "min_replicas": 1,
+                    "max_replicas": 1,
+                }
+            ],
         }
         asked = time.monotonic()
-        assert admin(server, "POST", "/admin/v1/nodes/cpu-1/shards", spec)["ok"]
-        ready = wait_until(
-            lambda: (s := shard_view(server, "cpu-1")) and s["state"] == "Ready" and s,
-            "the shard to be Ready",
-            deadline=120,
-            proc=agent,
+        admin(server, "POST", "/admin/v1/catalog", catalog)
+        # The reconciler places it (nobody names a node), the agent starts it, it loads.
+        replica = wait_until(
+            lambda: ready_replica(server), "the replica to be Ready", deadline=120, proc=agent
         )
-        start_to_ready = time.monotonic() - asked
-        engine_pid = ready["pid"]
-        print(f"\nStartShard -> Ready: {start_to_ready:.2f}s")
+        print(f"\ncatalog apply -> replica Ready: {time.monotonic() - asked:.2f}s")
+        (shard,) = replica["shards"]
+        assert shard["node"] == "cpu-1" and shard["compute"] == {"gpus": []}  # ON: cpu
+        engine_pid = shard_view(server, "cpu-1", shard["shard_id"])["pid"]
+        port = shard["port"]
 
         # The engine runs as the unprivileged user, with its key in the environment only.
         status = Path(f"/proc/{engine_pid}/status").read_text()
         uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
         assert int(uid) == pwd.getpwnam(engine_user).pw_uid
-        key = admin(server, "GET", f"/admin/v1/replicas/{REPLICA}/engine-key")["key"]
+        key = admin(server, "GET", f"/admin/v1/replicas/{replica['id']}/engine-key")["key"]
         assert key.encode() not in Path(f"/proc/{engine_pid}/cmdline").read_bytes()
         assert chat(port, key) == 200
         assert chat(port, None) == 401
@@ -144,7 +159,12 @@ def test_llamacpp_shard_started_adopted_after_agent_kill_and_stopped(tmp_path, p
         wait_until(lambda: server.nodes()["cpu-1"]["connected"], "the agent to come back", proc=agent)
         registered = time.monotonic()
         adopted = wait_until(
-            lambda: (s := shard_view(server, "cpu-1")) and s["state"] == "Ready" and s["adopted"] and s,
+            lambda: (
+                (s := shard_view(server, "cpu-1", shard["shard_id"]))
+                and s["state"] == "Ready"
+                and s["adopted"]
+                and s
+            ),
             "the adopted shard to be Ready",
             proc=agent,
         )
@@ -154,22 +174,30 @@ def test_llamacpp_shard_started_adopted_after_agent_kill_and_stopped(tmp_path, p
         )
         assert time.monotonic() - registered < 2.0 + 1.0  # + this test's polling of the API
         assert adopted["pid"] == engine_pid
+
+        # kill -9 the server: restarted, it rebuilds the replica from the agent's report.
+        link_port = int(server.endpoints["link"].rsplit(":", 1)[1])
+        admin_port = int(server.endpoints["admin"].rsplit(":", 1)[1])
+        server.proc.kill9()
+        server = Server(tmp_path, link_port=link_port, admin_port=admin_port, heartbeat_interval=0.5).start()
+        rebuilt = wait_until(lambda: ready_replica(server), "the replica to be rebuilt", proc=agent)
+        assert rebuilt["id"] == replica["id"]
+        assert shard_view(server, "cpu-1", shard["shard_id"])["pid"] == engine_pid
         assert read_stat(engine_pid).start_time == started_at  # never restarted
         assert chat(port, key) == 200
 
-        # StopShard: no process of the shard is left.
-        assert admin(server, "DELETE", f"/admin/v1/nodes/cpu-1/shards/{SHARD}?grace=5")["ok"]
-        assert not alive(engine_pid)
+        # Scaled to zero: the replica drains and stops, and no process of the shard is left.
+        admin(server, "POST", "/admin/v1/profiles/smollm2-cpu/scale", {"replicas": 0})
+        wait_until(lambda: not alive(engine_pid), "the engine to stop", deadline=90)
         members = [
             p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(int(p.name)) == engine_pid
         ]
         assert members == []
-        wait_until(lambda: shard_view(server, "cpu-1") is None, "the shard to leave the node's list")
+        wait_until(lambda: replicas(server) == [], "the replica record to go")
     finally:
         agent.stop()
         server.proc.stop()
-        if engine_pid and alive(engine_pid):  # a failed test must not leave the engine behind
-            os.killpg(engine_pid, signal.SIGKILL)
+        kill_recorded_shards(tmp_path / "agent-cpu-1")  # a failed test must not leave engines behind
 
 
 def _pgid(pid: int) -> int | None:

@@ -8,7 +8,6 @@ Everything lives in a 0755 directory under /tmp so that an unprivileged engine u
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from llmgw.core.shard import GpuRef, ShardSpec
 from llmgw.wire.messages import Compute, GpuUse, ShardState, ShardStatus
 from tests.conftest import group_exists
 from tests.helpers import DEADLINE, wait_for
+from tests.procs import kill_recorded_shards
 from tests.test_discovery import FakeNvml
 
 pytestmark = pytest.mark.slow
@@ -93,16 +93,7 @@ class Lab:
         )
 
     def kill_leftovers(self) -> None:
-        """The process groups a failed test left running, as this lab's state files name them
-        (by group, never by name: only what the supervisor recorded is touched)."""
-        for _directory, record in shard_state.read_all(self.work_dir / "shards"):
-            if isinstance(record, ValueError):
-                continue
-            for process in record.processes:
-                stat = read_stat(process.pid)
-                if stat is not None and stat.start_time == process.start_time:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pgid, signal.SIGKILL)
+        kill_recorded_shards(self.work_dir)
 
 
 @pytest.fixture

@@ -348,6 +348,7 @@ def to_shard_specs(
             ShardSpec(
                 shard_id=f"{replica_id}-s{shard.rank}",
                 replica_id=replica_id,
+                profile=profile.name,
                 model=model.name,
                 model_path=model.path,
                 engine=profile.engine,

@@ -57,6 +57,9 @@ class Adapter:
 class ShardSpec:
     shard_id: str
     replica_id: str
+    # The catalog profile the replica was placed for: what a restarted server matches a running
+    # shard against to rebuild its replica ("" for a shard started by hand).
+    profile: str = ""
     model: str  # the name clients use
     model_path: str  # weights on the node: a directory, a .gguf file, or a hub id
     engine: str  # one of ENGINES

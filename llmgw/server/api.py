@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import attrs
-import cattrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
@@ -28,13 +27,14 @@ from llmgw import __version__
 from llmgw.config import structure_catalog
 from llmgw.core.catalog import Profile
 from llmgw.core.keys import engine_key
-from llmgw.core.shard import ShardSpec
+from llmgw.core.replica import Replica
 from llmgw.server import tokens
 from llmgw.server.catalog import Catalog, CatalogError, Entry, Invalid, NotFound, Refused, spec_options
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
+from llmgw.server.replicas import ReplicaManager
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
-from llmgw.wire.messages import CommandResult, Ping, Pong, StartShard, StopShard
+from llmgw.wire.messages import Ping, Pong
 
 log = logging.getLogger(__name__)
 # hypercorn's errors, under our name. Its info lines only announce the bind, which run.py's
@@ -49,8 +49,6 @@ ADMIN_PREFIX = "/admin/"
 # A healthy agent answers in milliseconds; after 5 s the link or the agent is stuck, and an
 # operator waiting at a prompt should hear so rather than hang.
 PING_TIMEOUT = 5.0
-# Starting a shard answers once its processes are launched, not once the model is loaded.
-COMMAND_TIMEOUT = 30.0
 
 ROUTING_MESSAGES = {
     404: "no such endpoint (is ctl newer than this server?)",
@@ -71,6 +69,7 @@ async def serve_admin(
     host: str,
     port: int,
     *,
+    replicas: ReplicaManager | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -84,13 +83,18 @@ async def serve_admin(
     async with trio.open_nursery() as nursery:
         # hypercorn reports its binds as URLs ("http://127.0.0.1:40313", "http://[::1]:40313")
         # made from getsockname(), so the port in them is the one actually bound.
-        app = make_app(registry, catalog, admin_digest, engine_secret)
+        app = make_app(registry, catalog, admin_digest, engine_secret, replicas=replicas)
         binds = await nursery.start(serve, app, config)
         task_status.started(urlsplit(binds[0]).port)
 
 
 def make_app(
-    registry: NodeRegistry, catalog: Catalog, admin_digest: bytes, engine_secret: bytes | None = None
+    registry: NodeRegistry,
+    catalog: Catalog,
+    admin_digest: bytes,
+    engine_secret: bytes | None = None,
+    *,
+    replicas: ReplicaManager | None = None,
 ) -> QuartTrio:
     app = QuartTrio(__name__)
 
@@ -142,26 +146,17 @@ def make_app(
     def key_of(replica_id: str) -> str | None:
         return None if engine_secret is None else engine_key(engine_secret, replica_id)
 
-    # Shards by hand: the way to run an engine on a node until the catalog and the reconciler
-    # place replicas themselves. The engine key is derived here, never sent by the caller.
-    @app.post("/admin/v1/nodes/<name>/shards")
-    async def start_shard(name: str) -> Response:
-        if registry.get(name) is None:
-            return _node_not_found(name)
-        body = await request.get_json(silent=True)
-        try:
-            spec = converter.structure(body, ShardSpec)
-        except (cattrs.BaseValidationError, TypeError, AttributeError) as e:
-            return _error(400, "invalid_request", f"not a shard spec: {_first_problem(e)}")
-        start = StartShard(id=0, spec=spec, engine_key=key_of(spec.replica_id))
-        return await _command(name, start)
+    @app.get("/admin/v1/replicas")
+    async def list_replicas() -> Response:
+        records = replicas.list() if replicas is not None else []
+        return jsonify(replicas=[replica_json(record, registry) for record in records])
 
-    @app.delete("/admin/v1/nodes/<name>/shards/<shard_id>")
-    async def stop_shard(name: str, shard_id: str) -> Response:
-        if registry.get(name) is None:
-            return _node_not_found(name)
-        grace = request.args.get("grace", default=30.0, type=float)
-        return await _command(name, StopShard(id=0, shard_id=shard_id, grace=grace), wait=grace + 30)
+    @app.get("/admin/v1/replicas/<replica_id>")
+    async def show_replica(replica_id: str) -> Response:
+        record = replicas.get(replica_id) if replicas is not None else None
+        if record is None:
+            return _error(404, "not_found", f'replica "{replica_id}" not found')
+        return jsonify(replica_json(record, registry))
 
     @app.get("/admin/v1/replicas/<replica_id>/engine-key")
     async def replica_engine_key(replica_id: str) -> Response:
@@ -170,22 +165,6 @@ def make_app(
         if key is None:
             return _error(409, "no_engine_keys", "this server has no store secret; engines run without a key")
         return jsonify(replica_id=replica_id, key=key)
-
-    async def _command(name: str, command: StartShard | StopShard, wait: float = COMMAND_TIMEOUT) -> Response:
-        try:
-            with trio.fail_after(wait):
-                reply = await registry.call(name, command)
-        except (NodeUnavailable, LinkClosed) as e:
-            return _error(409, "node_unavailable", f'node "{name}" is not connected: {e}')
-        except trio.TooSlowError:
-            return _error(504, "timeout", f'node "{name}" did not answer within {wait:g} s')
-        if not isinstance(reply, CommandResult) or not reply.ok:
-            message = reply.message if isinstance(reply, CommandResult) else "unexpected reply"
-            return _error(409, "refused", f'node "{name}": {message}')
-        return jsonify(node=name, ok=True, message=reply.message)
-
-    # --- the catalog ------------------------------------------------------------------------------
-    # Names may hold '/' (hub ids like "org/model"), hence the path converter.
 
     @app.get("/admin/v1/models")
     async def list_models() -> Response:
@@ -326,11 +305,17 @@ def _catalog_error(e: CatalogError, outcome: str) -> Response:
     return response
 
 
-def _first_problem(exc: BaseException) -> str:
-    """cattrs' nested validation errors as one line, each naming its field ("... @ $.port")."""
-    if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc)) or str(exc)
-    return str(exc)
+def replica_json(record: Replica, registry: NodeRegistry) -> dict:
+    """A replica record, plus where its engine answers (rank 0's node address and port)."""
+    data = converter.unstructure(record)
+    endpoint = None
+    if record.shards:
+        leader = record.shards[0]
+        node = registry.get(leader.node)
+        if node is not None:
+            endpoint = f"{node.inventory.mgmt_address or '127.0.0.1'}:{leader.port}"
+    data["endpoint"] = endpoint
+    return data
 
 
 def _node_not_found(name: str) -> Response:

@@ -36,6 +36,7 @@ import trio
 
 from llmgw.config import converter, structure_catalog
 from llmgw.core.catalog import Model, Profile, name_problem, validate_model, validate_profile
+from llmgw.server.changes import Changes
 from llmgw.server.store import AsyncStore, CatalogRow, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,7 @@ class Catalog:
         for entry in entries:
             self._table(entry.kind)[entry.name] = entry
         self._lock = trio.Lock()
-        self.version = 0
-        self._changed = trio.Event()
+        self.changes = Changes()
 
     @classmethod
     async def load(cls, store: AsyncStore, models: Sequence[Model], profiles: Sequence[Profile]) -> Catalog:
@@ -147,11 +147,13 @@ class Catalog:
         """Every entry of ``kind`` ("model" or "profile"), by name, with its owner."""
         return [entry for _, entry in sorted(self._table(kind).items())]
 
+    @property
+    def version(self) -> int:
+        return self.changes.version
+
     async def wait_changed(self, seen: int) -> int:
         """Returns the catalog's version once it is past ``seen`` (at once if it already is)."""
-        while self.version == seen:
-            await self._changed.wait()
-        return self.version
+        return await self.changes.wait_past(seen)
 
     # --- changing ---------------------------------------------------------------------------------
 
@@ -281,9 +283,7 @@ class Catalog:
                 )
 
     def _bump(self) -> None:
-        self.version += 1
-        self._changed.set()
-        self._changed = trio.Event()
+        self.changes.bump()
 
 
 def _kinds(models: Iterable[Model], profiles: Iterable[Profile]) -> list[tuple[str, Model | Profile]]:

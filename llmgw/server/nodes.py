@@ -21,6 +21,7 @@ import trio
 
 from llmgw.core.liveness import Liveness, NodeState, node_state
 from llmgw.core.shard import ShardSpec
+from llmgw.server.changes import Changes
 from llmgw.server.store import AsyncStore, NodeRow, Store
 from llmgw.wire.codec import converter
 from llmgw.wire.messages import Compute, Inventory, Register, RunningShard, ShardState, ShardStatus
@@ -83,6 +84,9 @@ class Node:
     last_heard: float  # trio clock, for decisions
     session: Session | None = None
     shards: dict[str, Shard] = attrs.field(factory=dict)
+    # Registrations since this server started: a shard missing from a newer registration's list
+    # than the one it was started under is gone.
+    registrations: int = 0
 
     @property
     def connected(self) -> bool:
@@ -100,6 +104,9 @@ class NodeRegistry:
         self._nodes: dict[str, Node] = {}
         self._dirty: set[str] = set()
         self._dirty_event = trio.Event()
+        # Bumped whenever what the reconciler sees changes: a node comes, goes, is lost, or one
+        # of its shards changes state.
+        self.changes = Changes()
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -153,7 +160,9 @@ class NodeRegistry:
             node.agent_version, node.inventory = register.agent_version, register.inventory
             node.last_heard, node.last_seen = now, wall
         node.session = session
+        node.registrations += 1
         node.shards = {s.spec.shard_id: Shard.from_running(s, wall) for s in register.shards}
+        self.changes.bump()
         if previous_session is not None:
             log.info("node %s: a new link replaces the old one", node.name)
             previous_session.close("replaced by a newer link from the same node")
@@ -193,6 +202,7 @@ class NodeRegistry:
             shard.pid = status.pid or shard.pid
             shard.compute = status.compute or shard.compute
             shard.log_tail = status.log_tail or shard.log_tail
+        self.changes.bump()
         log.info(
             "node %s: shard %s %s%s",
             name,
@@ -208,6 +218,7 @@ class NodeRegistry:
         node.session = None
         log.info("node %s disconnected: %s", node.name, reason)
         self._mark_dirty(node.name)
+        self.changes.bump()
 
     # --- liveness -------------------------------------------------------------------------------
 
@@ -222,6 +233,7 @@ class NodeRegistry:
             # A connected node that went silent has its link closed by the link's own watchdog,
             # which applies the same rule.
             self._mark_dirty(node.name)
+            self.changes.bump()
 
     async def run(self) -> None:
         """The registry's own work: marking silent nodes lost, and saving what changed."""

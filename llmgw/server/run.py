@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
+from llmgw.server.replicas import ReplicaManager
 from llmgw.server.store import AsyncStore, Store
 
 log = logging.getLogger(__name__)
@@ -59,12 +61,13 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             handshake_timeout=config.link.handshake_timeout,
             ssl_context=_server_ssl_context(config),
         )
+        replicas = ReplicaManager(registry, catalog, engine_secret)
         async with trio.open_nursery() as nursery:
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
             )
             admin_port = await nursery.start(
-                serve_admin,
+                functools.partial(serve_admin, replicas=replicas),
                 registry,
                 catalog,
                 admin_digest,
@@ -73,6 +76,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 config.admin.listen.port,
             )
             nursery.start_soon(registry.run)
+            nursery.start_soon(replicas.run)
             endpoints = Endpoints(
                 link=_address(config.link.listen.host, link_listeners[0]),
                 admin=_address(config.admin.listen.host, admin_port),

@@ -1,0 +1,362 @@
+"""The reconciler's shell: keeps the replica records, runs passes, and carries out their actions.
+
+Everything that decides is in :mod:`llmgw.core.reconcile`; this module only gathers its inputs
+(the catalog, the records, a view of the fleet built from the agents' inventories, the shards
+the agents report), stores what a pass returns, sends the commands it asks for on the agent
+links, and logs each action with its reason.
+
+A pass runs when the catalog or the fleet changed, when a command it sent was answered, and on a
+tick (backoffs and timeouts come due with nothing else happening).
+
+Records live in memory. After a server restart they are rebuilt from what the agents report when
+they register: a running shard whose spec names a profile still in the catalog becomes (part of)
+its replica again, with a fresh startup timeout, and no engine is restarted. A shard that matches
+nothing is left to the reconciler, which stops it as an orphan.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterable
+
+import attrs
+import trio
+
+from llmgw.core.keys import engine_key
+from llmgw.core.placement import ClusterView, GpuView, NodeView
+from llmgw.core.reconcile import (
+    ENDING,
+    Action,
+    DrainReplica,
+    ReconcileConfig,
+    ReportedShard,
+    RestartReplica,
+    ShardRef,
+    StartReplica,
+    StopOrphan,
+    reconcile,
+)
+from llmgw.core.replica import Replica, ReplicaShard, state_of_shards
+from llmgw.core.shard import Fabric, ShardSpec
+from llmgw.server.catalog import Catalog
+from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
+from llmgw.wire.h2link import LinkClosed
+from llmgw.wire.messages import CommandResult, DrainShard, Inventory, ShardState, StartShard, StopShard
+
+log = logging.getLogger(__name__)
+
+# Backoffs and startup timeouts come due without any event: look at least this often.
+TICK = 2.0
+# A command is answered as soon as the agent has acted (a start once launched, a stop once the
+# processes are gone, which takes up to the stop grace).
+START_ANSWER_TIMEOUT = 60.0
+STOP_ANSWER_TIMEOUT = 120.0
+
+
+class ReplicaManager:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        catalog: Catalog,
+        engine_secret: bytes | None,
+        config: ReconcileConfig | None = None,
+    ) -> None:
+        self._registry = registry
+        self._catalog = catalog
+        self._engine_secret = engine_secret
+        self._config = config or ReconcileConfig()
+        self._records: dict[str, Replica] = {}
+        # Per shard: the node's registration count when its start was answered. A shard missing
+        # from a later registration's list is gone (the agent restarted without it).
+        self._started_under: dict[str, int] = {}
+        self._stopping: set[tuple[str, str]] = set()  # (node, shard id) with a stop on its way
+        self._kick = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.passes = 0
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def list(self) -> list[Replica]:
+        return sorted(self._records.values(), key=lambda r: (r.profile, r.created, r.id))
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._records.get(replica_id)
+
+    def key_of(self, replica_id: str) -> str | None:
+        return None if self._engine_secret is None else engine_key(self._engine_secret, replica_id)
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._kick_on_changes)
+            while True:
+                self._kick = trio.Event()
+                self.run_pass()
+                with trio.move_on_after(TICK):
+                    await self._kick.wait()
+
+    async def _kick_on_changes(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for changes in (self._catalog.changes, self._registry.changes):
+                nursery.start_soon(self._forward, changes)
+
+    async def _forward(self, changes) -> None:
+        seen = changes.version
+        while True:
+            seen = await changes.wait_past(seen)
+            self._kick.set()
+
+    def run_pass(self) -> None:
+        """One reconcile pass, synchronous; the commands it needs go out in background tasks."""
+        now = time.time()
+        self._adopt_reported(now)
+        self._follow_reports()
+        plan = reconcile(
+            models=self._catalog.models(),
+            profiles=self._catalog.profiles(),
+            replicas=self._records.values(),
+            cluster=cluster_view(self._registry.list()),
+            desired={},  # each profile's min_replicas, until load signals feed scaling
+            now=now,
+            config=self._config,
+            new_id=lambda: f"r-{secrets.token_hex(4)}",
+            reported=self._reported(),
+        )
+        self.passes += 1
+        self._records = {record.id: record for record in plan.replicas}
+        for action in plan.actions:
+            self._carry_out(action, now)
+
+    # --- inputs --------------------------------------------------------------------------------
+
+    def _reported(self) -> list[ReportedShard]:
+        return [
+            ReportedShard(
+                node=node.name,
+                shard_id=shard.shard_id,
+                replica_id=shard.replica_id,
+                model=shard.spec.model,
+                gpu_indices=tuple(gpu.index for gpu in shard.spec.gpus),
+                port=shard.spec.port,
+                rendezvous_port=shard.spec.rendezvous_port,
+            )
+            for node in self._registry.list()
+            if node.connected
+            for shard in node.shards.values()
+            if shard.spec is not None and shard.state not in (ShardState.STOPPED, ShardState.FAILED)
+        ]
+
+    def _adopt_reported(self, now: float) -> None:
+        """Running shards no record lists but whose profile is in the catalog become replicas
+        again (a server restart): the engines keep serving, nothing is restarted."""
+        profiles = self._catalog.profiles()
+        known = {shard.shard_id for record in self._records.values() for shard in record.shards}
+        for node in self._registry.list():
+            if not node.connected:
+                continue
+            for shard in node.shards.values():
+                spec = shard.spec
+                if (
+                    spec is None
+                    or spec.shard_id in known
+                    or shard.state in (ShardState.STOPPED, ShardState.FAILED)
+                ):
+                    continue
+                profile = profiles.get(spec.profile)
+                if profile is None or profile.model != spec.model:
+                    continue  # an orphan: the reconciler stops it
+                piece = ReplicaShard(
+                    node=node.name,
+                    shard_id=spec.shard_id,
+                    rank=spec.rank,
+                    gpu_indices=tuple(gpu.index for gpu in spec.gpus),
+                    port=spec.port,
+                    rendezvous_port=spec.rendezvous_port,
+                    state=shard.state,
+                    compute=shard.compute,
+                )
+                record = self._records.get(spec.replica_id)
+                shards = tuple(sorted((*(record.shards if record else ()), piece), key=lambda s: s.rank))
+                state = state_of_shards(s.state for s in shards)
+                self._records[spec.replica_id] = Replica(
+                    id=spec.replica_id,
+                    profile=spec.profile,
+                    model=spec.model,
+                    state=state,
+                    shards=shards,
+                    since=now,
+                    created=record.created if record else now,
+                    started=now,  # a full startup timeout from now, not from before the restart
+                    reason="adopted from a running engine",
+                )
+                self._started_under[spec.shard_id] = node.registrations
+                known.add(spec.shard_id)
+                log.info(
+                    "replica %s: adopted shard %s on node %s (%s)",
+                    spec.replica_id,
+                    spec.shard_id,
+                    node.name,
+                    shard.state,
+                )
+
+    def _follow_reports(self) -> None:
+        """Each record's shards take the state their agents report."""
+        nodes = {node.name: node for node in self._registry.list()}
+        for record in list(self._records.values()):
+            shards = tuple(self._reported_state(piece, nodes.get(piece.node)) for piece in record.shards)
+            if shards != record.shards:
+                self._records[record.id] = attrs.evolve(record, shards=shards)
+
+    def _reported_state(self, piece: ReplicaShard, node: Node | None) -> ReplicaShard:
+        if node is None or not node.connected or piece.state in (ShardState.STOPPED, ShardState.FAILED):
+            return piece  # a lost node's shards are the reconciler's to reap
+        reported = node.shards.get(piece.shard_id)
+        if reported is not None:
+            return attrs.evolve(
+                piece,
+                state=reported.state,
+                reason=reported.reason,
+                compute=reported.compute or piece.compute,
+            )
+        started_under = self._started_under.get(piece.shard_id)
+        if started_under is not None and node.registrations > started_under:
+            return attrs.evolve(
+                piece, state=ShardState.FAILED, reason="not running after the agent restarted"
+            )
+        return piece  # its start is on its way, or its first status is
+
+    # --- carrying out --------------------------------------------------------------------------
+
+    def _carry_out(self, action: Action, now: float) -> None:
+        log.info("%s: %s", _describe(action), action.reason)
+        assert self._nursery is not None
+        match action:
+            case StartReplica() | RestartReplica():
+                for spec, where in zip(action.specs, action.placement.shards, strict=True):
+                    self._nursery.start_soon(self._start_shard, where.node, spec)
+            case DrainReplica(shards=shards, deadline=deadline):
+                for ref in shards:
+                    self._send_stop(
+                        ref, DrainShard(id=0, shard_id=ref.shard_id, timeout=max(0.0, deadline - now))
+                    )
+            case StopOrphan(node=node, shard_id=shard_id):
+                self._send_stop(ShardRef(node=node, shard_id=shard_id), StopShard(id=0, shard_id=shard_id))
+            case _ if isinstance(action, ENDING):
+                for ref in action.shards:
+                    self._send_stop(ref, StopShard(id=0, shard_id=ref.shard_id))
+
+    async def _start_shard(self, node: str, spec: ShardSpec) -> None:
+        command = StartShard(id=0, spec=spec, engine_key=self.key_of(spec.replica_id))
+        registrations = self._registry.get(node).registrations if self._registry.get(node) else 0
+        try:
+            with trio.fail_after(START_ANSWER_TIMEOUT):
+                reply = await self._registry.call(node, command)
+        except (NodeUnavailable, LinkClosed, trio.TooSlowError) as exc:
+            self._shard_failed(spec.replica_id, spec.shard_id, f"start not delivered to {node}: {exc}")
+            return
+        if isinstance(reply, CommandResult) and reply.ok:
+            self._started_under[spec.shard_id] = registrations
+        else:
+            message = reply.message if isinstance(reply, CommandResult) else "unexpected reply"
+            self._shard_failed(spec.replica_id, spec.shard_id, f"{node} refused to start it: {message}")
+        self._kick.set()
+
+    def _send_stop(self, ref: ShardRef, command: StopShard | DrainShard) -> None:
+        if (ref.node, ref.shard_id) in self._stopping:
+            return  # already on its way
+        self._stopping.add((ref.node, ref.shard_id))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._stop_shard, ref, command)
+
+    async def _stop_shard(self, ref: ShardRef, command: StopShard | DrainShard) -> None:
+        try:
+            with trio.fail_after(STOP_ANSWER_TIMEOUT):
+                reply = await self._registry.call(ref.node, command)
+            if isinstance(reply, CommandResult) and reply.ok:
+                self._set_shard_state(ref.shard_id, ShardState.STOPPED, reply.message)
+            else:
+                log.warning("node %s did not stop shard %s: %s", ref.node, ref.shard_id, reply)
+        except (NodeUnavailable, LinkClosed, trio.TooSlowError) as exc:
+            log.warning("stop of shard %s on node %s not delivered: %s", ref.shard_id, ref.node, exc)
+        finally:
+            self._stopping.discard((ref.node, ref.shard_id))
+            self._kick.set()
+
+    def _shard_failed(self, replica_id: str, shard_id: str, reason: str) -> None:
+        log.warning("replica %s: shard %s: %s", replica_id, shard_id, reason)
+        self._set_shard_state(shard_id, ShardState.FAILED, reason)
+
+    def _set_shard_state(self, shard_id: str, state: str, reason: str) -> None:
+        for record in list(self._records.values()):
+            shards = tuple(
+                attrs.evolve(piece, state=state, reason=reason) if piece.shard_id == shard_id else piece
+                for piece in record.shards
+            )
+            if shards != record.shards:
+                self._records[record.id] = attrs.evolve(record, shards=shards)
+
+
+def _describe(action: Action) -> str:
+    name = type(action).__name__
+    subject = getattr(action, "replica_id", None) or getattr(action, "victim_replica_id", None)
+    if subject is None:
+        subject = f"{action.node}/{action.shard_id}"
+    return f"{name} {subject}"
+
+
+# --- the fleet as the reconciler sees it --------------------------------------------------------
+
+
+def cluster_view(nodes: Iterable[Node]) -> ClusterView:
+    """The fleet before any replica (see core.reconcile): what each node offers to shards."""
+    return ClusterView(nodes=tuple(node_view(node) for node in nodes))
+
+
+def node_view(node: Node) -> NodeView:
+    inventory = node.inventory
+    return NodeView(
+        name=node.name,
+        online=node.connected and node.state.value == "online",
+        address=inventory.mgmt_address,
+        mgmt_interface=inventory.mgmt_interface,
+        fabric=inventory.fabric,
+        rdma=_rdma(inventory),
+        gpus=tuple(
+            GpuView(
+                index=gpu.index,
+                uuid=gpu.uuid,
+                gpu_class=gpu.gpu_class,
+                compute_capability=gpu.compute_capability,
+                memory_total_mib=gpu.memory_total_mib,
+                # What processes llmgw did not start leave; our own shards are the reconciler's.
+                memory_free_mib=max(0, gpu.memory_total_mib - sum(p.used_mib for p in gpu.foreign_processes)),
+                allocated=False,
+                healthy=gpu.healthy,
+                problems=gpu.problems,
+            )
+            for gpu in inventory.gpus
+        ),
+        # Host memory and cores are offered whole: what shards hold is counted by the reconciler,
+        # and the agent's own "available" figure already has our CPU shards taken out.
+        memory_free_mib=inventory.memory_total_mib,
+        cpu_cores_free=inventory.cpu_count,
+        ports_in_use=frozenset(),
+    )
+
+
+def _rdma(inventory: Inventory) -> Fabric:
+    active = [port for port in inventory.ib_ports if port.state == "ACTIVE"]
+    if not active or not inventory.fabric:
+        return Fabric()
+    roce = [port for port in active if port.is_roce]
+    if roce:
+        return Fabric(
+            kind="roce",
+            hcas=tuple(sorted({p.device for p in roce})),
+            gid_index=next((p.roce_v2_gid_index for p in roce if p.roce_v2_gid_index is not None), None),
+        )
+    return Fabric(kind="ib", hcas=tuple(sorted({p.device for p in active})))
