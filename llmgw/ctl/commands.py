@@ -118,6 +118,21 @@ def add_ctl_parser(subparsers) -> None:
     ping.add_argument("name", metavar="NAME", help="the node's name, as `llmgw ctl nodes` lists it")
     _add_json_flag(ping)
 
+    replicas = _add(commands, "replicas", "list the replicas: state, where they run (ON), why", _replicas)
+    _add_json_flag(replicas)
+    replica = commands.add_parser(
+        "replica", help="one replica: show", description="Commands about a single replica."
+    )
+    replica_commands = replica.add_subparsers(dest="replica_command", metavar="COMMAND", required=True)
+    replica_show = _add(
+        replica_commands,
+        "show",
+        "a replica's shards, and why it is where it is (every node's reason while Pending)",
+        _replica_show,
+    )
+    replica_show.add_argument("id", metavar="ID", help="the replica's id, as `llmgw ctl replicas` lists it")
+    _add_json_flag(replica_show)
+
     models = _add(commands, "models", "list the catalog's models and the profiles using each", _models)
     _add_json_flag(models)
     profiles = _add(commands, "profiles", "list the catalog's profiles: how each model is served", _profiles)
@@ -220,6 +235,28 @@ def _nodes(args: argparse.Namespace) -> int:
         console.print("no nodes have registered yet: start `llmgw agent` on a node")
         return 0
     console.print(render.nodes_table(answer["nodes"], time.time()))
+    return 0
+
+
+def _replicas(args: argparse.Namespace) -> int:
+    answer = _client(args).get("/admin/v1/replicas")
+    if args.json:
+        render.print_json(answer)
+        return 0
+    console = render.make_console()
+    if not answer["replicas"]:
+        console.print(f"no replicas: the catalog's profiles want none ({NO_CATALOG_HINT})")
+        return 0
+    console.print(render.replicas_table(answer["replicas"], time.time()))
+    return 0
+
+
+def _replica_show(args: argparse.Namespace) -> int:
+    replica = _client(args).get(f"/admin/v1/replicas/{quote(args.id, safe='')}")
+    if args.json:
+        render.print_json(replica)
+    else:
+        render.render_replica(replica, time.time(), render.make_console())
     return 0
 
 

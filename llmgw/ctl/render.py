@@ -198,3 +198,69 @@ def gib(mib: int) -> str:
     """``4 GiB`` for whole GiB, ``1.5 GiB`` otherwise."""
     whole, rest = divmod(mib, MIB_PER_GIB)
     return f"{whole} GiB" if not rest else f"{mib / MIB_PER_GIB:.1f} GiB"
+
+
+REPLICA_STATE_STYLES = {**SHARD_STATE_STYLES, "Pending": "yellow", "Draining": "yellow"}
+
+
+def replica_on(replica: dict) -> str:
+    """The ON column: per node, the GPUs and MiB its shard holds, or `cpu`; `-` while unknown."""
+    if not replica["shards"]:
+        return "-"
+    return "; ".join(f"{shard['node']}: {compute_text(shard.get('compute'))}" for shard in replica["shards"])
+
+
+def replicas_table(replicas: list[dict], now: float) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("ID", "PROFILE", "MODEL", "STATE", "ON", "ENDPOINT", "AGE", "REASON"):
+        table.add_column(column, no_wrap=column != "REASON", overflow="fold")
+    for replica in replicas:
+        reason = replica["reason"]
+        table.add_row(
+            replica["id"],
+            replica["profile"],
+            replica["model"],
+            Text(replica["state"], style=REPLICA_STATE_STYLES.get(replica["state"], "")),
+            replica_on(replica),
+            replica.get("endpoint") or "-",
+            age(now - replica["created"]).removesuffix(" ago"),
+            reason,
+        )
+    return table
+
+
+def render_replica(replica: dict, now: float, console: Console) -> None:
+    header = Text()
+    header.append(replica["id"], style="bold")
+    header.append("  ")
+    header.append(replica["state"], style=REPLICA_STATE_STYLES.get(replica["state"], ""))
+    header.append(
+        f"  profile {replica['profile']}  model {replica['model']}  age {age(now - replica['created'])}"
+    )
+    if replica["failures"]:
+        header.append(f"  failures {replica['failures']}")
+    console.print(header)
+    if replica["reason"]:
+        console.print(replica["reason"])
+    if replica.get("candidates"):
+        table = Table(box=None, pad_edge=False, title="why no node takes it", title_justify="left")
+        table.add_column("NODE")
+        table.add_column("REASON")
+        for candidate in replica["candidates"]:
+            table.add_row(candidate["node"], candidate["reason"])
+        console.print(table)
+    if replica["shards"]:
+        table = Table(box=None, pad_edge=False, title="shards", title_justify="left")
+        for column in ("SHARD", "NODE", "RANK", "STATE", "PORT", "ON", "REASON"):
+            table.add_column(column)
+        for shard in replica["shards"]:
+            table.add_row(
+                shard["shard_id"],
+                shard["node"],
+                str(shard["rank"]),
+                Text(shard["state"], style=SHARD_STATE_STYLES.get(shard["state"], "")),
+                str(shard["port"]),
+                compute_text(shard.get("compute")),
+                shard.get("reason", ""),
+            )
+        console.print(table)

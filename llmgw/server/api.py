@@ -149,14 +149,14 @@ def make_app(
     @app.get("/admin/v1/replicas")
     async def list_replicas() -> Response:
         records = replicas.list() if replicas is not None else []
-        return jsonify(replicas=[replica_json(record, registry) for record in records])
+        return jsonify(replicas=[replica_json(record, registry, replicas) for record in records])
 
     @app.get("/admin/v1/replicas/<replica_id>")
     async def show_replica(replica_id: str) -> Response:
         record = replicas.get(replica_id) if replicas is not None else None
         if record is None:
             return _error(404, "not_found", f'replica "{replica_id}" not found')
-        return jsonify(replica_json(record, registry))
+        return jsonify(replica_json(record, registry, replicas))
 
     @app.get("/admin/v1/replicas/<replica_id>/engine-key")
     async def replica_engine_key(replica_id: str) -> Response:
@@ -305,9 +305,11 @@ def _catalog_error(e: CatalogError, outcome: str) -> Response:
     return response
 
 
-def replica_json(record: Replica, registry: NodeRegistry) -> dict:
-    """A replica record, plus where its engine answers (rank 0's node address and port)."""
+def replica_json(record: Replica, registry: NodeRegistry, replicas: ReplicaManager) -> dict:
+    """A replica record, plus where its engine answers (rank 0's node address and port) and,
+    while Pending, every node's reason for not taking it."""
     data = converter.unstructure(record)
+    data["candidates"] = [{"node": node, "reason": why} for node, why in replicas.candidates(record.id)]
     endpoint = None
     if record.shards:
         leader = record.shards[0]

@@ -30,6 +30,7 @@ from llmgw.core.reconcile import (
     ENDING,
     Action,
     DrainReplica,
+    MarkPending,
     ReconcileConfig,
     ReportedShard,
     RestartReplica,
@@ -38,7 +39,7 @@ from llmgw.core.reconcile import (
     StopOrphan,
     reconcile,
 )
-from llmgw.core.replica import Replica, ReplicaShard, state_of_shards
+from llmgw.core.replica import Replica, ReplicaShard, ReplicaState, state_of_shards
 from llmgw.core.shard import Fabric, ShardSpec
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
@@ -72,6 +73,9 @@ class ReplicaManager:
         # from a later registration's list is gone (the agent restarted without it).
         self._started_under: dict[str, int] = {}
         self._stopping: set[tuple[str, str]] = set()  # (node, shard id) with a stop on its way
+        # Why each Pending replica fits on no node: (node, reason) for every node, as of the
+        # last pass that could not place it. The record keeps only the summary line.
+        self._candidates: dict[str, tuple[tuple[str, str], ...]] = {}
         self._kick = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.passes = 0
@@ -83,6 +87,13 @@ class ReplicaManager:
 
     def get(self, replica_id: str) -> Replica | None:
         return self._records.get(replica_id)
+
+    def candidates(self, replica_id: str) -> tuple[tuple[str, str], ...]:
+        """Every node's reason for not taking a Pending replica (empty otherwise)."""
+        record = self._records.get(replica_id)
+        if record is None or record.state != ReplicaState.PENDING:
+            return ()
+        return self._candidates.get(replica_id, ())
 
     def key_of(self, replica_id: str) -> str | None:
         return None if self._engine_secret is None else engine_key(self._engine_secret, replica_id)
@@ -128,6 +139,7 @@ class ReplicaManager:
         )
         self.passes += 1
         self._records = {record.id: record for record in plan.replicas}
+        self._candidates = {rid: why for rid, why in self._candidates.items() if rid in self._records}
         for action in plan.actions:
             self._carry_out(action, now)
 
@@ -243,6 +255,8 @@ class ReplicaManager:
                     self._send_stop(
                         ref, DrainShard(id=0, shard_id=ref.shard_id, timeout=max(0.0, deadline - now))
                     )
+            case MarkPending(replica_id=replica_id, reasons=reasons):
+                self._candidates[replica_id] = reasons
             case StopOrphan(node=node, shard_id=shard_id):
                 self._send_stop(ShardRef(node=node, shard_id=shard_id), StopShard(id=0, shard_id=shard_id))
             case _ if isinstance(action, ENDING):
