@@ -245,11 +245,43 @@ def _catalog_problems(models: Iterable[Model], profiles: Iterable[Profile]) -> I
 
 
 @attrs.frozen(kw_only=True)
+class RestartConfig:
+    """How a replica whose engine failed is started again (llmgw.core.restart_policy)."""
+
+    initial_delay: Duration = 5.0  # before the first restart; doubles with each failure
+    max_delay: Duration = 300.0
+    move_after: PositiveInt = 3  # consecutive failures on a node before placing it elsewhere
+    give_up_after: PositiveInt = 10  # then it stays Failed until an operator acts
+    reset_after: Duration = 600.0  # Ready this long: its failures are forgotten
+
+
+@attrs.frozen(kw_only=True)
+class ReconcileSection:
+    """What the reconciler may use, and how patient it is."""
+
+    # Ports engines (and multi-node rendezvous) get on every node: engine_port_min..max.
+    engine_port_min: PositiveInt = 20000
+    engine_port_max: PositiveInt = attrs.field(default=29999)
+    # A draining replica is stopped this long after it stopped getting requests, in flight or not.
+    drain_timeout: Duration = 60.0
+    restart: RestartConfig = attrs.field(factory=RestartConfig)
+
+    @engine_port_max.validator
+    def _range(self, _attribute: attrs.Attribute, value: int) -> None:
+        if not self.engine_port_min <= value <= 65535:
+            raise _BadValue(
+                f"expected a port from engine_port_min ({self.engine_port_min}) to 65535, got {value}",
+                key="engine_port_max",
+            )
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     data_dir: Path = attrs.field(factory=lambda: default_home() / "server")
     log_level: LogLevel = "info"
     link: LinkConfig = attrs.field(factory=LinkConfig)
     admin: AdminConfig = attrs.field(factory=AdminConfig)
+    reconcile: ReconcileSection = attrs.field(factory=ReconcileSection)
     # Catalog entries owned by this file: written into the store at every start, replacing what
     # an earlier server.yaml declared; the admin API cannot change or remove them.
     models: CatalogModels = ()

@@ -89,7 +89,15 @@ def read_endpoints(data_dir: Path) -> dict | None:
 
 
 class Server:
-    def __init__(self, tmp: Path, *, link_port: int = 0, admin_port: int = 0, **link: object) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        link_port: int = 0,
+        admin_port: int = 0,
+        reconcile: dict | None = None,
+        **link: object,
+    ) -> None:
         self.tmp = tmp
         self.data_dir = tmp / "server-data"
         self.config = write_yaml(
@@ -98,6 +106,7 @@ class Server:
                 "data_dir": str(self.data_dir),
                 "link": {"listen": f"127.0.0.1:{link_port}", **link},
                 "admin": {"listen": f"127.0.0.1:{admin_port}"},
+                **({"reconcile": reconcile} if reconcile else {}),
             },
         )
         self.proc: Proc | None = None

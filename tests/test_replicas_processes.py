@@ -33,9 +33,11 @@ def admin(server: Server, method: str, path: str, body: dict | None = None) -> d
         return json.loads(response.read())
 
 
-def fake_llama_server(tmp: Path) -> str:
-    wrapper = tmp / "llama-server"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_ENGINE} "$@"\n')
+def fake_llama_server(tmp: Path, name: str = "llama-server", **knobs: str) -> str:
+    """A llama-server stand-in; ``knobs`` are the fake engine's FAKE_ENGINE_* settings."""
+    wrapper = tmp / name
+    exports = "".join(f"export FAKE_ENGINE_{key.upper()}={value}\n" for key, value in knobs.items())
+    wrapper.write_text(f'#!/bin/sh\n{exports}exec {sys.executable} {FAKE_ENGINE} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
@@ -117,6 +119,48 @@ def test_replicas_are_placed_explained_and_reaped_on_a_silent_node(tmp_path):
         assert len(replicas(server, "cpu-chat")) == 1  # the reaped one is gone, not doubled
         pid = next(s["pid"] for s in server.nodes()[other]["shards"] if s["replica_id"] == moved["id"])
         assert read_stat(pid) is not None
+    finally:
+        for proc in agents.values():
+            proc.stop()
+        server.proc.stop()
+        for name in agents:
+            kill_recorded_shards(tmp_path / f"agent-{name}")
+
+
+def test_an_engine_that_keeps_crashing_is_restarted_with_backoff_then_moved(tmp_path):
+    restart = {"initial_delay": "200ms", "max_delay": "1s", "move_after": 2, "give_up_after": 10}
+    server = Server(tmp_path, heartbeat_interval=0.3, reconcile={"restart": restart}).start()
+    crashing = fake_llama_server(tmp_path, "crashing-llama-server", exit_after="0.3")
+    healthy = fake_llama_server(tmp_path)
+    agents = {
+        # Packing breaks ties by name: the replica goes to n1 first, whose engine always crashes.
+        "n1": start_agent(tmp_path, server, "n1", engines={"llama_server": crashing, "run_as": None}),
+        "n2": start_agent(tmp_path, server, "n2", engines={"llama_server": healthy, "run_as": None}),
+    }
+    try:
+        wait_until(lambda: all(server.nodes().get(n, {}).get("connected") for n in agents), "both agents")
+        admin(
+            server,
+            "POST",
+            "/admin/v1/catalog",
+            {
+                "models": [{"name": "tiny", "path": "/models/tiny.gguf", "format": "gguf"}],
+                "profiles": [profile("flaky")],
+            },
+        )
+        ready = wait_until(
+            lambda: [r for r in replicas(server, "flaky") if r["state"] == "Ready"],
+            "the replica to be Ready after moving",
+        )[0]
+        assert ready["shards"][0]["node"] == "n2"
+        assert "n1" in ready["failed_nodes"] and ready["failures"] >= 2
+        # It was started on n1 once, then restarted there after a backoff, before it moved.
+        starts_on_n1 = agents["n1"].output().count("start shard")
+        assert starts_on_n1 >= 2, agents["n1"].output()
+        log = server.proc.output()
+        # The backoff doubles: 0.2 s after the first failure, 0.4 s after the second.
+        assert "starts again in 0.2 s (failure 1)" in log
+        assert "starts again on other nodes in 0.4 s (failure 2)" in log
     finally:
         for proc in agents.values():
             proc.stop()

@@ -393,7 +393,7 @@ class _Pass:
             next_step, restart_at = decision.reason, None
         else:
             where = " on other nodes" if isinstance(decision, MoveElsewhere) else ""
-            next_step = f"starts again{where} in {decision.delay:.0f} s (failure {failures})"
+            next_step = f"starts again{where} in {decision.delay:.3g} s (failure {failures})"
             restart_at = decision.at
         failed = attrs.evolve(
             record,
@@ -701,7 +701,7 @@ class _Pass:
 
     def _restart(self, restart: _Restart, profile: Profile) -> None:
         record = restart.record
-        why = f"after a {restart.delay:.0f} s backoff ({record.reason})"
+        why = f"after a {restart.delay:.3g} s backoff ({record.reason})"
         old = self._placement_of(record) if self._still_free(record, profile) else None
         if restart.move or old is None:
             away = frozenset(record.failed_nodes if restart.move else ())

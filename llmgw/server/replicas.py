@@ -30,6 +30,7 @@ from llmgw.core.reconcile import (
     ENDING,
     Action,
     DrainReplica,
+    MarkFailed,
     MarkPending,
     ReconcileConfig,
     ReportedShard,
@@ -77,6 +78,7 @@ class ReplicaManager:
         # last pass that could not place it. The record keeps only the summary line.
         self._candidates: dict[str, tuple[tuple[str, str], ...]] = {}
         self._kick = trio.Event()
+        self._due: set[float] = set()  # wall-clock times a restart comes due (MarkFailed)
         self._nursery: trio.Nursery | None = None
         self.passes = 0
 
@@ -107,7 +109,10 @@ class ReplicaManager:
             while True:
                 self._kick = trio.Event()
                 self.run_pass()
-                with trio.move_on_after(TICK):
+                # Sleep until something changes, the next restart comes due, or the tick.
+                now = time.time()
+                self._due = {at for at in self._due if at > now}
+                with trio.move_on_after(min([TICK, *(at - now for at in self._due)])):
                     await self._kick.wait()
 
     async def _kick_on_changes(self) -> None:
@@ -257,11 +262,17 @@ class ReplicaManager:
                     )
             case MarkPending(replica_id=replica_id, reasons=reasons):
                 self._candidates[replica_id] = reasons
+            case MarkFailed(restart_at=restart_at) if restart_at is not None:
+                self._due.add(restart_at)
+                self._stop_shards(action.shards)
             case StopOrphan(node=node, shard_id=shard_id):
                 self._send_stop(ShardRef(node=node, shard_id=shard_id), StopShard(id=0, shard_id=shard_id))
             case _ if isinstance(action, ENDING):
-                for ref in action.shards:
-                    self._send_stop(ref, StopShard(id=0, shard_id=ref.shard_id))
+                self._stop_shards(action.shards)
+
+    def _stop_shards(self, shards: Iterable[ShardRef]) -> None:
+        for ref in shards:
+            self._send_stop(ref, StopShard(id=0, shard_id=ref.shard_id))
 
     async def _start_shard(self, node: str, spec: ShardSpec) -> None:
         command = StartShard(id=0, spec=spec, engine_key=self.key_of(spec.replica_id))

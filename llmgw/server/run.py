@@ -16,6 +16,8 @@ import trio
 from llmgw.config import ServerConfig
 from llmgw.core import keys
 from llmgw.core.liveness import Liveness
+from llmgw.core.reconcile import ReconcileConfig
+from llmgw.core.restart_policy import RestartPolicy
 from llmgw.server import tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
@@ -61,7 +63,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             handshake_timeout=config.link.handshake_timeout,
             ssl_context=_server_ssl_context(config),
         )
-        replicas = ReplicaManager(registry, catalog, engine_secret)
+        replicas = ReplicaManager(registry, catalog, engine_secret, reconcile_config(config))
         async with trio.open_nursery() as nursery:
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
@@ -92,6 +94,22 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             task_status.started(endpoints)
     finally:
         await store.aclose()
+
+
+def reconcile_config(config: ServerConfig) -> ReconcileConfig:
+    section = config.reconcile
+    restart = section.restart
+    return ReconcileConfig(
+        port_range=(section.engine_port_min, section.engine_port_max),
+        drain_timeout=section.drain_timeout,
+        restart=RestartPolicy(
+            initial=restart.initial_delay,
+            maximum=restart.max_delay,
+            move_after=restart.move_after,
+            give_up_after=restart.give_up_after,
+            reset_after=restart.reset_after,
+        ),
+    )
 
 
 async def _token_digest(store: AsyncStore, secret_name: str, path: Path) -> bytes:
