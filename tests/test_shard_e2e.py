@@ -198,6 +198,8 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         ]
         assert members == []
         wait_until(lambda: replicas(server) == [], "the replica record to go")
+        assert f"DrainReplica {replica['id']}" in server.proc.output()  # drained, not killed
+        assert "drain shard" in agent.output()
     finally:
         agent.stop()
         server.proc.stop()
