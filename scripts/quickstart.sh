@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Sets this machine up and runs llmgw on it: the server and one local agent, connected.
+# Sets this machine up and runs llmgw on it: the server, one local agent, and a real model
+# (SmolLM2-135M-Instruct on llama.cpp, on the CPU) that the reconciler places from the catalog;
+# then it asks the model one question.
 #
-#   scripts/quickstart.sh           run until Ctrl-C (which stops both)
-#   scripts/quickstart.sh --check   start, show the node, stop (a smoke test)
+#   scripts/quickstart.sh           run until Ctrl-C (which stops the engine, the agent, the server)
+#   scripts/quickstart.sh --check   the same, then stop (a smoke test)
+#
+# The first run on a machine builds llama.cpp from source (~13 minutes on 2 cores; pip caches it)
+# and downloads the model (98 MB). Later runs take seconds.
 #
 # Everything lives under $LLMGW_HOME (default: .llmgw/ in this checkout): the server's store and
-# secrets, the agent's work directory, the logs. Running it again reuses all of it.
+# secrets, the agent's work directory, the model, the logs. Running it again reuses all of it.
 # Ports: $LLMGW_LINK_PORT (agent link, default 7070) and $LLMGW_ADMIN_PORT (admin API, 7071),
-# both on 127.0.0.1 only.
+# both on 127.0.0.1 only; the engine gets one from 20000 up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -21,7 +26,16 @@ admin_port=${LLMGW_ADMIN_PORT:-7071}
 
 ensure_venv
 llmgw=.venv/bin/llmgw
-mkdir -p -m 700 "$LLMGW_HOME" "$LLMGW_HOME/logs"
+python=.venv/bin/python
+mkdir -p -m 700 "$LLMGW_HOME" "$LLMGW_HOME/logs" "$LLMGW_HOME/models"
+
+echo "==> llama.cpp and the model"
+scripts/fetch-test-parts.sh
+model=$LLMGW_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$model" ]; then
+  ln tests/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf "$model" 2>/dev/null ||
+    cp tests/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf "$model"
+fi
 
 cat > "$LLMGW_HOME/server.yaml" <<YAML
 # Written by scripts/quickstart.sh; see examples/server.yaml for every option.
@@ -30,6 +44,19 @@ link:
   listen: 127.0.0.1:$link_port
 admin:
   listen: 127.0.0.1:$admin_port
+models:
+  smollm2: {path: $model, format: gguf}
+profiles:
+  smollm2-cpu:
+    model: smollm2
+    engine: llamacpp
+    gpu_class: null   # the CPU
+    memory_mib: 512
+    cpu_cores: 1
+    ctx_size: 2048
+    parallel: 2
+    min_replicas: 1
+    max_replicas: 1
 YAML
 cat > "$LLMGW_HOME/agent.yaml" <<YAML
 # Written by scripts/quickstart.sh; see examples/agent.yaml for every option.
@@ -37,16 +64,16 @@ work_dir: $LLMGW_HOME/agent
 server:
   address: 127.0.0.1:$link_port
   join_token_file: $LLMGW_HOME/server/join-token
+engines:
+  stop_shards_on_exit: true   # so that Ctrl-C leaves no engine behind
 YAML
 
 server_pid= agent_pid=
 stop() {
-  # Stop what this script started, by pid, agent first; wait so nothing outlives us.
+  # Stop what this script started, by pid, agent first (it stops the engine); wait for both.
   trap - EXIT INT TERM
   for pid in $agent_pid $server_pid; do
     kill -TERM "$pid" 2>/dev/null || true
-  done
-  for pid in $agent_pid $server_pid; do
     wait "$pid" 2>/dev/null || true
   done
 }
@@ -83,14 +110,50 @@ wait_for 30 "the agent to register" connected
 echo "==> llmgw ctl nodes"
 "$llmgw" ctl nodes
 
+echo "==> waiting for the reconciler to place SmolLM2 and the engine to load it"
+ready() { "$llmgw" ctl replicas --json | grep -q '"state": "Ready"'; }
+wait_for 180 "the SmolLM2 replica to be Ready" ready
+"$llmgw" ctl replicas
+
+replica_field() {  # a field of the (first) Ready replica
+  "$llmgw" ctl replicas --json |
+    "$python" -c "import json, sys; print([r for r in json.load(sys.stdin)['replicas'] if r['state'] == 'Ready'][0]['$1'])"
+}
+replica=$(replica_field id)
+endpoint=$(replica_field endpoint)
+echo "==> asking the model (replica $replica, engine at $endpoint)"
+LLMGW_ENGINE_KEY=$("$llmgw" ctl replica key "$replica") "$python" - "$endpoint" <<'PY'
+import json, os, sys, urllib.request
+
+question = "What is the capital of France?"
+request = urllib.request.Request(
+    f"http://{sys.argv[1]}/v1/chat/completions",
+    data=json.dumps(
+        {"model": "smollm2", "max_tokens": 32, "temperature": 0,
+         "messages": [{"role": "user", "content": question}]}
+    ).encode(),
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["LLMGW_ENGINE_KEY"]},
+)
+with urllib.request.urlopen(request, timeout=60) as response:
+    answer = json.load(response)["choices"][0]["message"]["content"].strip()
+print(f"Q: {question}\nA: {answer}")
+PY
+
 if [ $check_only = 1 ]; then
   exit 0
 fi
-cat <<EOF
+cat <<TEXT
 
-llmgw is running. In another shell:
-  $llmgw ctl nodes                 the fleet (ctl's context is saved, no flags needed)
-  $llmgw ctl node show <name>      one node's GPUs, fabric and health
-Press Ctrl-C to stop the server and the agent.
-EOF
+llmgw is running with SmolLM2 on this machine's CPU. In another shell:
+  $llmgw ctl nodes                 the fleet (ctl's context is saved: no flags needed)
+  $llmgw ctl replicas              where each replica runs, and its state
+  $llmgw ctl profiles              the catalog (declared in $LLMGW_HOME/server.yaml)
+Call the engine straight, with its replica's key:
+  KEY=\$($llmgw ctl replica key $replica)
+  curl http://$endpoint/v1/chat/completions -H "Authorization: Bearer \$KEY" \\
+    -H 'Content-Type: application/json' \\
+    -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hello!"}]}'
+The OpenAI-compatible gateway in front of it (one endpoint, API keys, quotas) comes next.
+Press Ctrl-C to stop the engine, the agent and the server.
+TEXT
 wait "$server_pid"

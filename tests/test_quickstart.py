@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.real_parts import require_llama_server, require_smollm2
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def real_parts():
+    require_llama_server()
+    require_smollm2()
 
 
 def free_port() -> int:
@@ -25,7 +34,7 @@ def refused(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_quickstart_starts_server_and_agent_lists_the_node_and_stops_both(tmp_path):
+def test_quickstart_serves_a_real_model_and_leaves_nothing_running(tmp_path):
     link_port, admin_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -45,8 +54,12 @@ def test_quickstart_starts_server_and_agent_lists_the_node_and_stops_both(tmp_pa
         )
         assert result.returncode == 0, f"run {run}:\n{result.stdout}\n{result.stderr}"
         assert "NAME" in result.stdout and "online" in result.stdout, result.stdout
-        # Nothing left listening: both processes were stopped.
-        assert refused(link_port) and refused(admin_port)
+        assert "Ready" in result.stdout and "smollm2-cpu" in result.stdout, result.stdout
+        answer = re.search(r"^A: (.+)$", result.stdout, re.MULTILINE)
+        assert answer and answer.group(1).strip(), result.stdout
+        engine_port = int(re.search(r"engine at 127\.0\.0\.1:(\d+)", result.stdout).group(1))
+        # Nothing left listening: the engine, the agent and the server were all stopped.
+        assert refused(link_port) and refused(admin_port) and refused(engine_port)
 
     context = json.loads((tmp_path / "context.json").read_text())
     assert context["server"] == f"http://127.0.0.1:{admin_port}"

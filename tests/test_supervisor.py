@@ -471,6 +471,24 @@ async def test_a_missing_engine_user_means_root_said_once(
     assert [agent.states(s)[-1] for s in ("shard-1", "shard-2")] == [STOPPED, STOPPED]
 
 
+async def test_stop_all_after_run_has_ended_stops_every_engine(nursery: trio.Nursery, lab: Lab) -> None:
+    """The agent's own shutdown with stop_shards_on_exit: run() is cancelled first, so no shard
+    task is left, and stop_all must still leave nothing behind."""
+    agent = await start_agent(nursery, lab)
+    spec = llama_spec()
+    await agent.supervisor.start(spec, KEY)
+    await agent.wait_state(spec.shard_id, READY)
+    engine = lab.state(spec.shard_id).processes[-1]
+    await agent.cut()
+    assert read_stat(engine.pid).alive  # cancelling run() alone leaves engines running
+    with trio.fail_after(DEADLINE):
+        await agent.supervisor.stop_all(grace=5)
+    stat = read_stat(engine.pid)
+    assert stat is None or not stat.alive
+    assert agent.supervisor.running() == []
+    assert agent.states(spec.shard_id)[-1] == STOPPED
+
+
 async def test_engines_get_a_minimal_environment_and_the_key_only_there(
     nursery: trio.Nursery, lab: Lab, monkeypatch: pytest.MonkeyPatch
 ) -> None:

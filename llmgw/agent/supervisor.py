@@ -144,6 +144,7 @@ class Supervisor:
         self._health_interval = health_interval
         self._shards: dict[str, _Shard] = {}
         self._nursery: trio.Nursery | None = None
+        self._running = False
         self._recovered = trio.Event()
         self._user_note_logged = False
 
@@ -155,12 +156,16 @@ class Supervisor:
         Started comes once every state file has been judged, so that the agent's first Register
         lists the adopted shards; their health checks go on in the background.
         """
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self._recover()
-            self._recovered.set()
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._running = True
+                self._nursery = nursery
+                await self._recover()
+                self._recovered.set()
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._running = False
 
     async def start(self, spec: ShardSpec, engine_key: str | None) -> tuple[bool, str]:
         """Starts a shard; returns once it is under way (its states are reported as they come)."""
@@ -234,9 +239,17 @@ class Supervisor:
         return await self.stop(shard_id, grace)
 
     async def stop_all(self, grace: float) -> None:
+        """Stops every shard. After run() has ended (the agent's own shutdown, with
+        engines.stop_shards_on_exit) no shard task is left to do it, so the teardown is done here."""
         async with trio.open_nursery() as nursery:
-            for shard_id in list(self._shards):
-                nursery.start_soon(self.stop, shard_id, grace)
+            for shard in list(self._shards.values()):
+                if self._running:
+                    nursery.start_soon(self.stop, shard.spec.shard_id, grace)
+                    continue
+                if shard.ended is None:
+                    shard.grace = grace
+                    shard.ended = (ShardState.STOPPED, "")
+                nursery.start_soon(self._teardown, shard)
 
     def running(self) -> list[RunningShard]:
         """The shards that run (not those being torn down), for Register."""

@@ -133,6 +133,14 @@ def add_ctl_parser(subparsers) -> None:
     replica_show.add_argument("id", metavar="ID", help="the replica's id, as `llmgw ctl replicas` lists it")
     _add_json_flag(replica_show)
 
+    replica_key = _add(
+        replica_commands,
+        "key",
+        "print a replica's engine key, to call its engine directly (keep it secret)",
+        _replica_key,
+    )
+    replica_key.add_argument("id", metavar="ID", help="the replica's id, as `llmgw ctl replicas` lists it")
+
     models = _add(commands, "models", "list the catalog's models and the profiles using each", _models)
     _add_json_flag(models)
     profiles = _add(commands, "profiles", "list the catalog's profiles: how each model is served", _profiles)
@@ -257,6 +265,12 @@ def _replica_show(args: argparse.Namespace) -> int:
         render.print_json(replica)
     else:
         render.render_replica(replica, time.time(), render.make_console())
+    return 0
+
+
+def _replica_key(args: argparse.Namespace) -> int:
+    answer = _client(args).get(f"/admin/v1/replicas/{quote(args.id, safe='')}/engine-key")
+    print(answer["key"])
     return 0
 
 

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Lines of a failed shard's output the server log repeats (the whole tail is in the API).
+FAILED_TAIL_LINES = 8
+
 
 class Session(Protocol):
     """What the registry needs from a node's live link (see :mod:`llmgw.server.link`)."""
@@ -210,6 +213,14 @@ class NodeRegistry:
             status.state,
             f" ({status.reason})" if status.reason else "",
         )
+        if status.state == ShardState.FAILED and status.log_tail:
+            # The engine's own last words are usually the diagnosis (a port taken, a bad flag).
+            log.warning(
+                "node %s: shard %s output before it failed:\n  %s",
+                name,
+                status.shard_id,
+                "\n  ".join(status.log_tail[-FAILED_TAIL_LINES:]),
+            )
 
     def detach(self, session: Session, reason: str) -> None:
         node = self._nodes.get(session.node)
