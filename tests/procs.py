@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -136,6 +137,20 @@ class Server:
             timeout=DEADLINE,
             env={**os.environ, **self.ctl_env},
         )
+
+    def admin(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One admin API call with the admin token; the JSON answer."""
+        request = urllib.request.Request(
+            f"http://{self.endpoints['admin']}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={
+                "Authorization": f"Bearer {self.ctl_env['LLMGW_TOKEN']}",
+                "Content-Type": "application/json",
+            },
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
 
     def nodes(self) -> dict[str, dict]:
         result = self.ctl("nodes", "--json")

@@ -4,9 +4,7 @@ profile fits nowhere, and a node that goes silent having its replica reaped and 
 
 from __future__ import annotations
 
-import json
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,20 +15,6 @@ from tests.procs import Server, kill_recorded_shards, start_agent, wait_until
 pytestmark = pytest.mark.slow
 
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
-
-
-def admin(server: Server, method: str, path: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(
-        f"http://{server.endpoints['admin']}{path}",
-        method=method,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={
-            "Authorization": f"Bearer {server.ctl_env['LLMGW_TOKEN']}",
-            "Content-Type": "application/json",
-        },
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def fake_llama_server(tmp: Path, name: str = "llama-server", **knobs: str) -> str:
@@ -57,7 +41,7 @@ def profile(name: str, **fields: object) -> dict:
 
 
 def replicas(server: Server, profile_name: str) -> list[dict]:
-    return [r for r in admin(server, "GET", "/admin/v1/replicas")["replicas"] if r["profile"] == profile_name]
+    return [r for r in server.admin("GET", "/admin/v1/replicas")["replicas"] if r["profile"] == profile_name]
 
 
 def test_replicas_are_placed_explained_and_reaped_on_a_silent_node(tmp_path):
@@ -66,8 +50,7 @@ def test_replicas_are_placed_explained_and_reaped_on_a_silent_node(tmp_path):
     agents = {name: start_agent(tmp_path, server, name, engines=engines) for name in ("n1", "n2")}
     try:
         wait_until(lambda: all(server.nodes().get(n, {}).get("connected") for n in agents), "both agents")
-        admin(
-            server,
+        server.admin(
             "POST",
             "/admin/v1/catalog",
             {
@@ -85,7 +68,7 @@ def test_replicas_are_placed_explained_and_reaped_on_a_silent_node(tmp_path):
         first_node = ready["shards"][0]["node"]
 
         pending = wait_until(lambda: replicas(server, "big"), "the big replica's record")[0]
-        shown = admin(server, "GET", f"/admin/v1/replicas/{pending['id']}")
+        shown = server.admin("GET", f"/admin/v1/replicas/{pending['id']}")
         assert shown["state"] == "Pending"
         assert {c["node"]: c["reason"] for c in shown["candidates"]} == {
             "n1": "no h100-80g GPUs",
@@ -139,8 +122,7 @@ def test_an_engine_that_keeps_crashing_is_restarted_with_backoff_then_moved(tmp_
     }
     try:
         wait_until(lambda: all(server.nodes().get(n, {}).get("connected") for n in agents), "both agents")
-        admin(
-            server,
+        server.admin(
             "POST",
             "/admin/v1/catalog",
             {

@@ -52,20 +52,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def admin(server: Server, method: str, path: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(
-        f"http://{server.endpoints['admin']}{path}",
-        method=method,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={
-            "Authorization": f"Bearer {server.ctl_env['LLMGW_TOKEN']}",
-            "Content-Type": "application/json",
-        },
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
-
-
 def chat(port: int, key: str | None) -> int:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -83,7 +69,7 @@ def chat(port: int, key: str | None) -> int:
 
 
 def shard_view(server: Server, node: str, shard_id: str) -> dict | None:
-    shards = {s["shard_id"]: s for s in admin(server, "GET", f"/admin/v1/nodes/{node}")["shards"]}
+    shards = {s["shard_id"]: s for s in server.admin("GET", f"/admin/v1/nodes/{node}")["shards"]}
     return shards.get(shard_id)
 
 
@@ -93,7 +79,7 @@ def alive(pid: int) -> bool:
 
 
 def replicas(server: Server) -> list[dict]:
-    return admin(server, "GET", "/admin/v1/replicas")["replicas"]
+    return server.admin("GET", "/admin/v1/replicas")["replicas"]
 
 
 def ready_replica(server: Server) -> dict | None:
@@ -129,7 +115,7 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
             ],
         }
         asked = time.monotonic()
-        admin(server, "POST", "/admin/v1/catalog", catalog)
+        server.admin("POST", "/admin/v1/catalog", catalog)
         # The reconciler places it (nobody names a node), the agent starts it, it loads.
         replica = wait_until(
             lambda: ready_replica(server), "the replica to be Ready", deadline=120, proc=agent
@@ -148,7 +134,7 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         status = Path(f"/proc/{engine_pid}/status").read_text()
         uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
         assert int(uid) == pwd.getpwnam(engine_user).pw_uid
-        key = admin(server, "GET", f"/admin/v1/replicas/{replica['id']}/engine-key")["key"]
+        key = server.admin("GET", f"/admin/v1/replicas/{replica['id']}/engine-key")["key"]
         assert key.encode() not in Path(f"/proc/{engine_pid}/cmdline").read_bytes()
         assert chat(port, key) == 200
         assert chat(port, None) == 401
@@ -191,7 +177,7 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         assert chat(port, key) == 200
 
         # Scaled to zero: the replica drains and stops, and no process of the shard is left.
-        admin(server, "POST", "/admin/v1/profiles/smollm2-cpu/scale", {"replicas": 0})
+        server.admin("POST", "/admin/v1/profiles/smollm2-cpu/scale", {"replicas": 0})
         wait_until(lambda: not alive(engine_pid), "the engine to stop", deadline=90)
         members = [
             p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(int(p.name)) == engine_pid
