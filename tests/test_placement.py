@@ -223,6 +223,7 @@ def test_every_reason_text():
             ),
             node("node-7", gpus=4, online=False),
             node("node-8", gpus=4, ports_in_use=frozenset(range(20000, 30000))),
+            node("node-9", gpus=4, connected=False),
         )
     )
     assert reasons(place(view, gpu_profile(gpus_per_node=3, tensor_parallel=3), PORTS)) == {
@@ -233,6 +234,7 @@ def test_every_reason_text():
         "node-6": "GPU 0 holds memory of a process llmgw did not start; GPU 1 is marked unhealthy",
         "node-7": "offline",
         "node-8": "no free port in 20000-29999",
+        "node-9": "its agent is not connected (restarting?)",
     }
     without_node_3 = ClusterView(nodes=tuple(n for n in view.nodes if n.name != "node-3"))
     two = reasons(place(without_node_3, gpu_profile(), PORTS))

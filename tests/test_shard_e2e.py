@@ -164,6 +164,8 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         )
         assert time.monotonic() - registered < 2.0 + 1.0  # + this test's polling of the API
         assert adopted["pid"] == engine_pid
+        # The node was disconnected for a moment, never lost: its replica was not reaped.
+        assert "Reap" not in server.proc.output()
 
         # kill -9 the server: restarted, it rebuilds the replica from the agent's report.
         link_port = int(server.endpoints["link"].rsplit(":", 1)[1])

@@ -58,7 +58,10 @@ class GpuView:
 @frozen
 class NodeView:
     name: str
-    online: bool = True
+    online: bool = True  # not lost: its replicas stand (see core.liveness)
+    # Its agent's link is up. A node online but not connected is between an agent restart and
+    # its reconnection: it keeps what it runs, but can take no new shard (nobody could start it).
+    connected: bool = True
     address: str = ""  # management IP: where the router and the other ranks reach it
     mgmt_interface: str = ""  # the interface holding that address
     fabric: str = ""  # the island its multi-node placements may span; "" = a single-node island
@@ -159,7 +162,7 @@ def _ports_needed(profile: Profile) -> int:
 
 
 def _fit(node: NodeView, profile: Profile, port_range: tuple[int, int], ports_needed: int) -> _Fit | None:
-    if not node.online or (profile.nodes > 1 and not node.fabric):
+    if not node.online or not node.connected or (profile.nodes > 1 and not node.fabric):
         return None
     if profile.gpu_class is None:
         if node.memory_free_mib < profile.memory_mib or node.cpu_cores_free < profile.cpu_cores:
@@ -241,6 +244,8 @@ def _why_not(node: NodeView, profile: Profile, port_range: tuple[int, int], port
     """Why ``node`` cannot take one shard of ``profile``; only asked of a node that does not fit."""
     if not node.online:
         return "offline"
+    if not node.connected:
+        return "its agent is not connected (restarting?)"
     if profile.nodes > 1 and not node.fabric:
         return f"on no fabric (a single-node island), needs {profile.nodes} nodes on one"
     if profile.gpu_class is None:

@@ -1032,7 +1032,7 @@ class _Pass:
 
 
 def _could_host(node: NodeView, profile: Profile) -> bool:
-    if not node.online:
+    if not node.online or not node.connected:
         return False
     return profile.gpu_class is None or any(g.gpu_class == profile.gpu_class for g in node.gpus)
 

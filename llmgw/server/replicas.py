@@ -25,6 +25,7 @@ import attrs
 import trio
 
 from llmgw.core.keys import engine_key
+from llmgw.core.liveness import NodeState
 from llmgw.core.placement import ClusterView, GpuView, NodeView
 from llmgw.core.reconcile import (
     ENDING,
@@ -345,7 +346,9 @@ def node_view(node: Node) -> NodeView:
     inventory = node.inventory
     return NodeView(
         name=node.name,
-        online=node.connected and node.state.value == "online",
+        # Lost nodes' replicas are reaped; a node merely reconnecting keeps them, takes nothing new.
+        online=node.state is NodeState.ONLINE,
+        connected=node.connected,
         address=inventory.mgmt_address,
         mgmt_interface=inventory.mgmt_interface,
         fabric=inventory.fabric,

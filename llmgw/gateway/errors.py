@@ -1,0 +1,21 @@
+"""Errors as OpenAI clients expect them: ``{"error": {"message", "type", "code"}}`` and a status."""
+
+from __future__ import annotations
+
+import json
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself, with `status` and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, code: str, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        # OpenAI's SDKs only look at the status to pick an exception class; the type is for people.
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.type, "code": self.code}
+        return json.dumps({"error": error}).encode()

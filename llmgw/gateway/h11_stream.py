@@ -1,0 +1,40 @@
+"""An h11 connection bound to a trio stream: the sans-IO state machine plus the socket it drives.
+
+The same class serves the listener (role SERVER) and the upstream pool (role CLIENT), so both sides
+share one way of reading: ask h11 for the next event, and read the socket only when it needs data.
+"""
+
+from __future__ import annotations
+
+import h11
+import trio
+
+# One receive per read; SSE chunks and request bodies are usually far smaller.
+RECEIVE_SIZE = 64 * 1024
+
+
+class H11Stream:
+    def __init__(self, stream: trio.SocketStream, role: type) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(role)
+
+    async def send(self, *events: h11.Event) -> None:
+        """Send `events` in one write: a head, its body and its end cost one syscall, not three."""
+        data = b"".join(self.conn.send(event) or b"" for event in events)
+        if data:
+            await self.stream.send_all(data)
+
+    async def next_event(self) -> h11.Event:
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            # b"" (the peer closed) becomes ConnectionClosed, or a RemoteProtocolError mid-message.
+            self.conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
+
+    def reusable(self) -> bool:
+        """Whether both sides finished their message cleanly, so the connection can carry another."""
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)

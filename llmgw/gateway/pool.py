@@ -1,0 +1,59 @@
+"""Keep-alive connections to one upstream engine.
+
+Idle connections are bounded: past the bound a finished connection is closed rather than kept, so
+a burst does not leave hundreds of sockets open on the engine. A connection is only put back when
+both sides ended their message cleanly; anything that failed, or was cut short, is closed.
+"""
+
+from __future__ import annotations
+
+import select
+
+import h11
+import trio
+
+from llmgw.gateway.h11_stream import H11Stream
+
+MAX_IDLE_PER_UPSTREAM = 64
+
+
+class UpstreamPool:
+    def __init__(self, host: str, port: int, *, max_idle: int = MAX_IDLE_PER_UPSTREAM) -> None:
+        self.host = host
+        self.port = port
+        self.max_idle = max_idle
+        self._idle: list[H11Stream] = []
+        self.opened = 0  # connections made, for tests and benchmarks to see reuse
+
+    async def acquire(self) -> H11Stream:
+        """An idle connection, or a new one; a failed connect raises OSError."""
+        while self._idle:
+            # Last in, first out: the most recently used connection is the least likely to have
+            # hit the engine's idle timeout.
+            connection = self._idle.pop()
+            if _quiet(connection):
+                return connection
+            await connection.aclose()
+        stream = await trio.open_tcp_stream(self.host, self.port)
+        self.opened += 1
+        return H11Stream(stream, h11.CLIENT)
+
+    async def release(self, connection: H11Stream) -> None:
+        if connection.reusable() and len(self._idle) < self.max_idle:
+            connection.conn.start_next_cycle()
+            self._idle.append(connection)
+        else:
+            await connection.aclose()
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await connection.aclose()
+
+
+def _quiet(connection: H11Stream) -> bool:
+    """Whether an idle connection has nothing to read. An engine says nothing on an idle
+    connection unless it closed it, and a request sent on a closed one would fail after it may
+    have reached the engine, where it cannot be retried; so a readable one is dropped instead."""
+    readable, _, _ = select.select([connection.stream.socket.fileno()], [], [], 0)
+    return not readable
