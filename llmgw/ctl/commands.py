@@ -234,38 +234,17 @@ def _client(args: argparse.Namespace) -> AdminClient:
 
 
 def _nodes(args: argparse.Namespace) -> int:
-    answer = _client(args).get("/admin/v1/nodes")
-    if args.json:
-        render.print_json(answer)
-        return 0
-    console = render.make_console()
-    if not answer["nodes"]:
-        console.print("no nodes have registered yet: start `llmgw agent` on a node")
-        return 0
-    console.print(render.nodes_table(answer["nodes"], time.time()))
-    return 0
+    empty = "no nodes have registered yet: start `llmgw agent` on a node"
+    return _listing(args, "/admin/v1/nodes", "nodes", empty, render.nodes_table)
 
 
 def _replicas(args: argparse.Namespace) -> int:
-    answer = _client(args).get("/admin/v1/replicas")
-    if args.json:
-        render.print_json(answer)
-        return 0
-    console = render.make_console()
-    if not answer["replicas"]:
-        console.print(f"no replicas: the catalog's profiles want none ({NO_CATALOG_HINT})")
-        return 0
-    console.print(render.replicas_table(answer["replicas"], time.time()))
-    return 0
+    empty = f"no replicas: the catalog's profiles want none ({NO_CATALOG_HINT})"
+    return _listing(args, "/admin/v1/replicas", "replicas", empty, render.replicas_table)
 
 
 def _replica_show(args: argparse.Namespace) -> int:
-    replica = _client(args).get(f"/admin/v1/replicas/{quote(args.id, safe='')}")
-    if args.json:
-        render.print_json(replica)
-    else:
-        render.render_replica(replica, time.time(), render.make_console())
-    return 0
+    return _detail(args, f"/admin/v1/replicas/{quote(args.id, safe='')}", render.render_replica)
 
 
 def _replica_key(args: argparse.Namespace) -> int:
@@ -275,11 +254,27 @@ def _replica_key(args: argparse.Namespace) -> int:
 
 
 def _node_show(args: argparse.Namespace) -> int:
-    node = _client(args).get(f"/admin/v1/nodes/{quote(args.name, safe='')}")
+    return _detail(args, f"/admin/v1/nodes/{quote(args.name, safe='')}", render.render_node)
+
+
+def _listing(args: argparse.Namespace, path: str, key: str, empty: str, table) -> int:
+    """A list from the API: its JSON with --json, else a table, or what to do when it is empty."""
+    answer = _client(args).get(path)
     if args.json:
-        render.print_json(node)
+        render.print_json(answer)
+        return 0
+    console = render.make_console()
+    console.print(table(answer[key], time.time()) if answer[key] else empty)
+    return 0
+
+
+def _detail(args: argparse.Namespace, path: str, show) -> int:
+    """One item from the API: its JSON with --json, else ``show(item, now, console)``."""
+    item = _client(args).get(path)
+    if args.json:
+        render.print_json(item)
     else:
-        render.render_node(node, time.time(), render.make_console())
+        show(item, time.time(), render.make_console())
     return 0
 
 
