@@ -43,11 +43,10 @@ def usage_in_body(body: bytes) -> Usage | None:
     """The usage object of a non-streaming JSON response (the last one, as it is top-level)."""
     if _USAGE_KEY not in body:
         return None
-    last = None
-    for last in _USAGE_OBJECT.finditer(body):
-        pass
-    if last is None:
+    found = list(_USAGE_OBJECT.finditer(body))
+    if not found:
         return None
+    last = found[-1]
     try:
         value, _ = _decoder.raw_decode(body[last.end() - 1 :].decode())
     except ValueError:  # UnicodeDecodeError is one

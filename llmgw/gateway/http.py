@@ -1,0 +1,125 @@
+"""The data-plane listener: HTTP/1.1 with keep-alive, one task per client connection.
+
+Each connection reads a request (its body whole, up to a limit), answers it, and goes on to the next
+on the same connection while both sides keep it open. A connection's failure ends that connection
+only: everything it raises is caught and logged here, never passed to the listener's nursery.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import h11
+import trio
+
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.h11_stream import H11Stream
+from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted, RequestRecord
+from llmgw.gateway.responder import Responder
+from llmgw.gateway.router import Router
+
+log = logging.getLogger(__name__)
+
+# Chat requests with long contexts run to a few MB of JSON; past this it is a mistake or an attack.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+MODELS_PATH = "/v1/models"
+
+_CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+async def serve_gateway(
+    router: Router,
+    host: str,
+    port: int,
+    *,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the OpenAI API on host:port (0: any free port) until cancelled; reports the bound port."""
+    relay = Relay(router, on_done=on_done, upstream_timeout=upstream_timeout)
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(partial(_serve_connection, relay, max_body_bytes), listeners)
+    finally:
+        with trio.CancelScope(shield=True):
+            await relay.aclose()
+
+
+async def _serve_connection(relay: Relay, max_body_bytes: int, stream: trio.SocketStream) -> None:
+    client = H11Stream(stream, h11.SERVER)
+    try:
+        while await _serve_request(relay, max_body_bytes, client):
+            client.conn.start_next_cycle()
+    except _CLIENT_GONE:
+        pass  # the client went away: nothing to tell anyone
+    except RelayAborted as error:
+        log.warning("cut a client connection: %s", error)
+    except Exception:
+        log.exception("client connection failed")
+    finally:
+        await client.aclose()
+
+
+async def _serve_request(relay: Relay, max_body_bytes: int, client: H11Stream) -> bool:
+    """Answer one request; whether the connection can carry another."""
+    responder = Responder(client)
+    try:
+        request = await client.next_event()
+        if type(request) is h11.ConnectionClosed:
+            return False
+        assert type(request) is h11.Request, request  # h11 gives nothing else to a server here
+        path = request.target.decode("ascii", "replace").partition("?")[0]
+        method = request.method
+        if path in MODEL_PATHS and method != b"POST" or path == MODELS_PATH and method != b"GET":
+            raise GatewayError(405, f"{method.decode()} is not allowed on {path}", code="method_not_allowed")
+        if path not in MODEL_PATHS and path != MODELS_PATH:
+            raise GatewayError(404, f"Unknown path {path}", code="not_found")
+        body = await _read_body(client, request, max_body_bytes)
+    except GatewayError as error:
+        # The rest of the request was not read, so the connection cannot carry another.
+        await responder.error(error, close=True)
+        return False
+    except h11.RemoteProtocolError as error:
+        if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            message = f"Malformed HTTP request: {error}"
+            bad = GatewayError(error.error_status_hint, message, code="bad_http")
+            await responder.error(bad, close=True)
+        return False
+    if path == MODELS_PATH:
+        await responder.respond(200, _models_body(relay.router.models()))
+    else:
+        await relay.forward(responder, path, body)
+    return client.reusable()
+
+
+async def _read_body(client: H11Stream, request: h11.Request, limit: int) -> bytes:
+    too_large = GatewayError(413, f"The body exceeds {limit} bytes", code="body_too_large")
+    for name, value in request.headers:
+        if name == b"content-length" and int(value) > limit:  # h11 checked it is a number
+            raise too_large
+    parts = []
+    size = 0
+    while True:
+        event = await client.next_event()
+        if type(event) is h11.Data:
+            size += len(event.data)
+            if size > limit:
+                raise too_large
+            parts.append(event.data)
+        elif type(event) is h11.EndOfMessage:
+            return b"".join(parts)
+        else:
+            raise trio.BrokenResourceError(f"client connection ended mid-request: {event!r}")
+
+
+def _models_body(models: Sequence[str]) -> bytes:
+    data = [{"id": name, "object": "model", "owned_by": "llmgw"} for name in models]
+    return json.dumps({"object": "list", "data": data}).encode()

@@ -1,0 +1,230 @@
+"""Relaying one OpenAI request to an engine and its answer back, bytes as they come.
+
+The body is decoded once, for the model name (and, for streams, to ask for usage). The answer is
+not decoded: non-streaming bodies are passed on as they arrive and searched for their usage at the
+end; streams are passed on event by event (see :mod:`llmgw.gateway.usage`).
+
+Retries: only a failed connect is retried, once, on the next upstream. Once a request was written
+to a socket the engine may have started on it, and running it twice would bill the tokens twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+
+import attrs
+import h11
+import trio
+
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.h11_stream import H11Stream
+from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
+from llmgw.gateway.responder import Headers, Responder
+from llmgw.gateway.router import Router, Upstream
+from llmgw.gateway.usage import StreamUsage, Usage, usage_in_body
+
+log = logging.getLogger(__name__)
+
+# Seconds the engine may take to answer with a head, and then may stay silent between body reads.
+# Non-streaming answers only come once generation ends, so this is long.
+UPSTREAM_TIMEOUT = 600.0
+
+_UPSTREAM_FAILURES = (trio.BrokenResourceError, h11.RemoteProtocolError, OSError)
+
+
+@attrs.define
+class RequestRecord:
+    """What happened to one model request, handed to `on_done` when it ends (for accounting)."""
+
+    path: str
+    started: float  # trio.current_time()
+    model: str | None = None
+    stream: bool = False
+    upstream: Upstream | None = None
+    status: int = 0  # what the client was told; 0 if it was told nothing
+    usage: Usage | None = None
+    completed: bool = False  # the whole answer reached the client
+    finished: float = 0.0
+
+
+class RelayAborted(Exception):
+    """The engine failed after the answer had begun: the client connection can only be cut."""
+
+
+class Relay:
+    def __init__(
+        self,
+        router: Router,
+        *,
+        on_done: Callable[[RequestRecord], None] | None = None,
+        upstream_timeout: float = UPSTREAM_TIMEOUT,
+        max_idle: int = MAX_IDLE_PER_UPSTREAM,
+    ) -> None:
+        self.router = router
+        self.on_done = on_done
+        self.upstream_timeout = upstream_timeout
+        self.max_idle = max_idle
+        self.pools: dict[tuple[str, int], UpstreamPool] = {}
+        self._turn = 0
+
+    async def forward(self, client: Responder, path: str, body: bytes) -> None:
+        record = RequestRecord(path=path, started=trio.current_time())
+        try:
+            await self._forward(client, path, body, record)
+        except GatewayError as error:
+            record.status = error.status
+            await client.error(error)
+            record.completed = True
+        finally:
+            record.finished = trio.current_time()
+            if self.on_done is not None:
+                self.on_done(record)
+
+    async def _forward(self, client: Responder, path: str, body: bytes, record: RequestRecord) -> None:
+        payload = _json_object(body)
+        model = payload.get("model")
+        if not isinstance(model, str):
+            raise GatewayError(400, "the body has no 'model' string", code="missing_model")
+        record.model = model
+        record.stream = payload.get("stream") is True
+        strip_usage = False
+        if record.stream:
+            options = payload.get("stream_options")
+            if options is None or isinstance(options, dict) and not options.get("include_usage"):
+                # Ask for the usage chunk, and take it out again: the client did not ask for it.
+                payload["stream_options"] = {**(options or {}), "include_usage": True}
+                body = json.dumps(payload, separators=(",", ":")).encode()
+                strip_usage = True
+
+        upstreams = self.router.ready_upstreams(model)
+        if upstreams is None:
+            raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
+        if not upstreams:
+            raise GatewayError(503, f"No replica of '{model}' is ready", code="no_ready_replica")
+        try:
+            with trio.fail_after(self.upstream_timeout):
+                pool, upstream, connection = await self._connect(self._in_turn(upstreams))
+                record.upstream = upstream
+                head = await _exchange(connection, upstream, path, body)
+        except trio.TooSlowError:
+            raise GatewayError(504, "The engine did not answer in time", code="upstream_timeout") from None
+        record.status = head.status_code
+        await self._relay_body(client, pool, connection, head, strip_usage, record)
+
+    def _in_turn(self, upstreams: Sequence[Upstream]) -> list[Upstream]:
+        """At most two upstreams to try, taking turns at which one comes first."""
+        first = self._turn % len(upstreams)
+        self._turn += 1
+        return [upstreams[first], upstreams[(first + 1) % len(upstreams)]][: len(upstreams)]
+
+    async def _connect(self, upstreams: list[Upstream]) -> tuple[UpstreamPool, Upstream, H11Stream]:
+        failure: OSError | None = None
+        for upstream in upstreams:
+            key = (upstream.host, upstream.port)
+            pool = self.pools.get(key)
+            if pool is None:
+                pool = self.pools[key] = UpstreamPool(upstream.host, upstream.port, max_idle=self.max_idle)
+            try:
+                return pool, upstream, await pool.acquire()
+            except OSError as error:
+                log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
+                failure = error
+        raise GatewayError(502, f"Cannot reach the engine: {failure}", code="upstream_unreachable")
+
+    async def _relay_body(
+        self,
+        client: Responder,
+        pool: UpstreamPool,
+        connection: H11Stream,
+        head: h11.Response,
+        strip_usage: bool,
+        record: RequestRecord,
+    ) -> None:
+        content_type = b"application/json"
+        length = None
+        for name, value in head.headers:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                length = value
+        events = StreamUsage(strip=strip_usage) if content_type.startswith(b"text/event-stream") else None
+        headers: Headers = [(b"content-type", content_type)]
+        if length is not None and events is None:
+            headers.append((b"content-length", length))  # otherwise h11 sends it chunked
+        client.start(head.status_code, headers)
+        parts: list[bytes] = []
+        try:
+            while True:
+                with trio.move_on_after(self.upstream_timeout) as waited:
+                    try:
+                        event = await connection.next_event()
+                    except _UPSTREAM_FAILURES as error:
+                        raise RelayAborted(f"engine failed mid-answer: {error!r}") from error
+                if waited.cancelled_caught:
+                    raise RelayAborted("engine went silent mid-answer")
+                if type(event) is h11.Data:
+                    if events is None:
+                        parts.append(event.data)
+                        await client.send(event.data)
+                    elif data := events.feed(event.data):
+                        await client.send(data)
+                elif type(event) is h11.EndOfMessage:
+                    break
+                elif type(event) is h11.ConnectionClosed:
+                    raise RelayAborted("engine closed the connection mid-answer")
+        except BaseException:
+            await connection.aclose()
+            raise
+        await pool.release(connection)
+        if events is None:
+            record.usage = usage_in_body(b"".join(parts))
+        else:
+            if rest := events.flush():
+                await client.send(rest)
+            record.usage = events.usage
+        await client.end()
+        record.completed = True
+
+    async def aclose(self) -> None:
+        for pool in self.pools.values():
+            await pool.aclose()
+
+
+async def _exchange(connection: H11Stream, upstream: Upstream, path: str, body: bytes) -> h11.Response:
+    """Send the request, with the engine's key in place of the client's, and read the answer's head."""
+    request = h11.Request(
+        method="POST",
+        target=path,
+        headers=[
+            (b"host", f"{upstream.host}:{upstream.port}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"authorization", b"Bearer " + upstream.engine_key.encode()),
+        ],
+    )
+    try:
+        await connection.send(request, h11.Data(data=body), h11.EndOfMessage())
+        while True:
+            event = await connection.next_event()
+            if type(event) is h11.Response:
+                return event
+            if type(event) is h11.ConnectionClosed:
+                raise GatewayError(502, "The engine closed the connection", code="upstream_closed")
+            # An InformationalResponse (1xx): the real head follows.
+    except BaseException as error:
+        await connection.aclose()
+        if isinstance(error, _UPSTREAM_FAILURES):
+            raise GatewayError(502, f"The engine failed: {error!r}", code="upstream_failed") from error
+        raise
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise GatewayError(400, "The body is not valid JSON", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise GatewayError(400, "The body must be a JSON object", code="invalid_json")
+    return payload

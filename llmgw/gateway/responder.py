@@ -1,0 +1,43 @@
+"""Writing one response on a client connection.
+
+The head is held back until the first body bytes (or the end) go out, so that a response whose body
+is already at hand leaves in one write.
+"""
+
+from __future__ import annotations
+
+import h11
+
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.h11_stream import H11Stream
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Responder:
+    def __init__(self, client: H11Stream) -> None:
+        self._client = client
+        self._head: h11.Response | None = None
+
+    def start(self, status: int, headers: Headers) -> None:
+        self._head = h11.Response(status_code=status, headers=headers)
+
+    async def send(self, data: bytes) -> None:
+        await self._client.send(*self._take_head(), h11.Data(data=data))
+
+    async def end(self) -> None:
+        await self._client.send(*self._take_head(), h11.EndOfMessage())
+
+    async def respond(self, status: int, body: bytes, *, close: bool = False) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if close:
+            headers.append((b"connection", b"close"))
+        self.start(status, headers)
+        await self._client.send(*self._take_head(), h11.Data(data=body), h11.EndOfMessage())
+
+    async def error(self, error: GatewayError, *, close: bool = False) -> None:
+        await self.respond(error.status, error.body(), close=close)
+
+    def _take_head(self) -> list[h11.Event]:
+        head, self._head = self._head, None
+        return [head] if head is not None else []

@@ -1,0 +1,314 @@
+"""The data-plane relay against fake engines, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import attrs
+import h11
+import trio
+
+from llmgw.gateway import RequestRecord, StaticRouter, Upstream, Usage, serve_gateway
+from llmgw.gateway.h11_stream import H11Stream
+from llmgw.gateway.usage import StreamUsage
+
+ENGINE_KEY = "engine-secret"
+USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}],
+    "usage": USAGE,
+}
+
+Reply = Callable[[H11Stream, dict], Awaitable[None]]
+
+
+@attrs.define
+class Seen:
+    path: str
+    headers: dict[bytes, bytes]
+    body: dict
+
+
+class FakeEngine:
+    """An engine speaking just enough HTTP/1.1 (trio + h11), recording what it was sent."""
+
+    def __init__(self, reply: Reply | None = None) -> None:
+        self.reply = reply or json_reply
+        self.seen: list[Seen] = []
+        self.connections = 0
+
+    async def start(self, nursery: trio.Nursery) -> Upstream:
+        listeners = await nursery.start(partial(trio.serve_tcp, self._serve, 0, host="127.0.0.1"))
+        return Upstream("127.0.0.1", listeners[0].socket.getsockname()[1], ENGINE_KEY)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        engine = H11Stream(stream, h11.SERVER)
+        try:
+            while True:
+                request = await engine.next_event()
+                if type(request) is h11.ConnectionClosed:
+                    return
+                body = b""
+                while type(event := await engine.next_event()) is h11.Data:
+                    body += event.data
+                self.seen.append(Seen(request.target.decode(), dict(request.headers), json.loads(body)))
+                await self.reply(engine, self.seen[-1].body)
+                if not engine.reusable():
+                    return
+                engine.conn.start_next_cycle()
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await engine.aclose()
+
+
+async def json_reply(engine: H11Stream, body: dict) -> None:
+    data = json.dumps(ANSWER).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+    await engine.send(h11.Response(status_code=200, headers=headers), h11.Data(data=data), h11.EndOfMessage())
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+
+
+def token_chunk(text: str) -> dict:
+    return {"id": "c", "choices": [{"index": 0, "delta": {"content": text}}], "usage": None}
+
+
+USAGE_CHUNK = sse({"id": "c", "choices": [], "usage": USAGE})
+
+
+def streaming_reply(gate: trio.Event | None = None) -> Reply:
+    """An SSE answer that, given `gate`, waits on it after its first chunk."""
+
+    async def reply(engine: H11Stream, body: dict) -> None:
+        await engine.send(h11.Response(status_code=200, headers=[(b"content-type", b"text/event-stream")]))
+        await engine.send(h11.Data(data=sse(token_chunk("Hel"))))
+        if gate is not None:
+            await gate.wait()
+        await engine.send(h11.Data(data=sse(token_chunk("lo"))))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await engine.send(h11.Data(data=USAGE_CHUNK))
+        await engine.send(h11.Data(data=sse(b"[DONE]")), h11.EndOfMessage())
+
+    return reply
+
+
+async def silent_reply(engine: H11Stream, body: dict) -> None:
+    await trio.sleep_forever()
+
+
+class Client:
+    """One keep-alive client connection to the gateway."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.http = H11Stream(stream, h11.CLIENT)
+
+    @classmethod
+    async def open(cls, port: int) -> Client:
+        return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    async def send(self, method: str, path: str, body: bytes = b"", headers: list | None = None) -> None:
+        head = [(b"host", b"gateway"), (b"content-length", b"%d" % len(body)), *(headers or [])]
+        request = h11.Request(method=method, target=path, headers=head)
+        await self.http.send(request, h11.Data(data=body), h11.EndOfMessage())
+
+    async def head(self) -> h11.Response:
+        event = await self.http.next_event()
+        assert type(event) is h11.Response, event
+        return event
+
+    async def rest(self) -> bytes:
+        body = b""
+        while type(event := await self.http.next_event()) is h11.Data:
+            body += event.data
+        assert type(event) is h11.EndOfMessage, event
+        return body
+
+    async def call(self, method: str, path: str, body: object = b"", headers: list | None = None):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        await self.send(method, path, data, headers)
+        head = await self.head()
+        answer = await self.rest()
+        if self.http.reusable():
+            self.http.conn.start_next_cycle()
+        return head.status_code, json.loads(answer) if answer.startswith(b"{") else answer
+
+
+class Gateway:
+    def __init__(self) -> None:
+        # The gateway hands a record over just after the answer's last bytes, maybe after the client
+        # read them: tests wait for it on this channel rather than look at a list too early.
+        self._records_in, self._records = trio.open_memory_channel[RequestRecord](math.inf)
+        self.port = 0
+
+    async def record(self) -> RequestRecord:
+        return await self._records.receive()
+
+    async def start(self, nursery: trio.Nursery, routes: dict, **options: object) -> Gateway:
+        router = StaticRouter(routes)
+        self.port = await nursery.start(
+            lambda task_status: serve_gateway(
+                router,
+                "127.0.0.1",
+                0,
+                on_done=self._records_in.send_nowait,
+                task_status=task_status,
+                **options,
+            )
+        )
+        return self
+
+    async def call(self, method: str, path: str, body: object = b"", headers: list | None = None):
+        client = await Client.open(self.port)
+        try:
+            return await client.call(method, path, body, headers)
+        finally:
+            await client.http.aclose()
+
+
+def chat(stream: bool = False, **extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
+
+
+async def test_non_streaming_relay_replaces_authorization_and_reads_usage(nursery):
+    engine = FakeEngine()
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    status, body = await gateway.call(
+        "POST", "/v1/chat/completions", chat(), [(b"authorization", b"Bearer client-secret")]
+    )
+    assert (status, body) == (200, ANSWER)
+    [seen] = engine.seen
+    assert seen.path == "/v1/chat/completions"
+    assert seen.headers[b"authorization"] == b"Bearer " + ENGINE_KEY.encode()
+    assert b"client-secret" not in b"".join(seen.headers.values())
+    assert "stream_options" not in seen.body
+    record = await gateway.record()
+    assert (record.model, record.status, record.completed) == ("m", 200, True)
+    assert record.usage == Usage(3, 5, 8)
+
+
+async def test_stream_chunks_arrive_before_the_engine_finishes_and_usage_chunk_is_stripped(nursery):
+    gate = trio.Event()
+    engine = FakeEngine(streaming_reply(gate))
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    client = await Client.open(gateway.port)
+    await client.send("POST", "/v1/chat/completions", json.dumps(chat(stream=True)).encode())
+    head = await client.head()
+    assert head.status_code == 200
+    assert (b"content-type", b"text/event-stream") in head.headers
+    first = await client.http.next_event()
+    assert first.data == sse(token_chunk("Hel"))  # the engine is still waiting on the gate
+    gate.set()
+    rest = await client.rest()
+    assert rest == sse(token_chunk("lo")) + sse(b"[DONE]")
+    assert engine.seen[0].body["stream_options"] == {"include_usage": True}
+    record = await gateway.record()
+    assert (record.stream, record.usage, record.completed) == (True, Usage(3, 5, 8), True)
+
+
+async def test_stream_usage_chunk_kept_when_the_client_asked(nursery):
+    engine = FakeEngine(streaming_reply())
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    status, body = await gateway.call(
+        "POST", "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": True})
+    )
+    assert status == 200
+    assert body == sse(token_chunk("Hel")) + sse(token_chunk("lo")) + USAGE_CHUNK + sse(b"[DONE]")
+    assert (await gateway.record()).usage == Usage(3, 5, 8)
+
+
+def test_stream_usage_found_across_any_split():
+    stream = sse(token_chunk("a")) + USAGE_CHUNK + sse(b"[DONE]")
+    for strip in (True, False):
+        events = StreamUsage(strip=strip)
+        relayed = b"".join(events.feed(stream[i : i + 1]) for i in range(len(stream))) + events.flush()
+        assert relayed == stream.replace(USAGE_CHUNK, b"") if strip else stream
+        assert events.usage == Usage(3, 5, 8)
+
+
+def test_usage_on_a_chunk_with_choices_is_read_but_not_stripped():
+    last = sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": USAGE})
+    events = StreamUsage(strip=True)
+    assert events.feed(last + sse(b"[DONE]")) == last + sse(b"[DONE]")
+    assert events.usage == Usage(3, 5, 8)
+
+
+async def test_connect_failure_is_retried_on_the_second_upstream(nursery):
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead = Upstream("127.0.0.1", unused.getsockname()[1], "dead-key")
+    engine = FakeEngine()
+    live = await engine.start(nursery)
+    gateway = await Gateway().start(nursery, {"m": [dead, live]})
+    status, body = await gateway.call("POST", "/v1/chat/completions", chat())
+    assert (status, body) == (200, ANSWER)
+    assert (await gateway.record()).upstream == live
+
+
+async def test_connect_failure_on_every_upstream_is_502(nursery):
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead = Upstream("127.0.0.1", unused.getsockname()[1], "dead-key")
+    gateway = await Gateway().start(nursery, {"m": [dead]})
+    status, body = await gateway.call("POST", "/v1/chat/completions", chat())
+    assert (status, body["error"]["code"]) == (502, "upstream_unreachable")
+
+
+async def test_errors_are_openai_shaped(nursery):
+    gateway = await Gateway().start(nursery, {"m": []}, max_body_bytes=100)
+    cases = [
+        (("POST", "/v1/chat/completions", chat()), 503, "no_ready_replica"),
+        (("POST", "/v1/chat/completions", chat(model="other")), 404, "model_not_found"),
+        (("POST", "/v1/nowhere", chat()), 404, "not_found"),
+        (("GET", "/v1/chat/completions"), 405, "method_not_allowed"),
+        (("POST", "/v1/embeddings", b"{not json"), 400, "invalid_json"),
+        (("POST", "/v1/embeddings", b"[1]"), 400, "invalid_json"),
+        (("POST", "/v1/completions", {"prompt": "x"}), 400, "missing_model"),
+        (("POST", "/v1/completions", b"x" * 101), 413, "body_too_large"),
+    ]
+    for request, status, code in cases:
+        got_status, body = await gateway.call(*request)
+        assert (got_status, body["error"]["code"]) == (status, code), request
+        assert set(body["error"]) == {"message", "type", "code"}
+
+
+async def test_a_silent_engine_is_504(nursery):
+    engine = FakeEngine(silent_reply)
+    upstream = await engine.start(nursery)
+    gateway = await Gateway().start(nursery, {"m": [upstream]}, upstream_timeout=0.2)
+    status, body = await gateway.call("POST", "/v1/chat/completions", chat())
+    assert (status, body["error"]["code"]) == (504, "upstream_timeout")
+    assert (await gateway.record()).status == 504
+
+
+async def test_keep_alive_on_both_sides(nursery):
+    engine = FakeEngine()
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    client = await Client.open(gateway.port)
+    for _ in range(2):
+        assert await client.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
+    assert await client.call("GET", "/v1/models") == (
+        200,
+        {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "llmgw"}]},
+    )
+    assert engine.connections == 1
+    assert len(engine.seen) == 2
+
+
+async def test_a_client_connection_failure_leaves_others_served(nursery):
+    engine = FakeEngine()
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    broken = await trio.open_tcp_stream("127.0.0.1", gateway.port)
+    await broken.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+    assert b" 400 " in await broken.receive_some(1000)
+    await broken.aclose()
+    assert await gateway.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
