@@ -12,7 +12,7 @@ import attrs
 import h11
 import trio
 
-from llmgw.gateway import RequestRecord, StaticRouter, Upstream, Usage, serve_gateway
+from llmgw.gateway import GatewayError, RequestRecord, StaticRouter, Upstream, Usage, serve_gateway
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.usage import StreamUsage
 
@@ -312,3 +312,63 @@ async def test_a_client_connection_failure_leaves_others_served(nursery):
     assert b" 400 " in await broken.receive_some(1000)
     await broken.aclose()
     assert await gateway.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
+
+
+class FakeGate:
+    """Callers are "Bearer good" (may use m) and "Bearer limited" (out of quota)."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[object, RequestRecord]] = []
+
+    def authenticate(self, authorization):
+        if authorization not in ("Bearer good", "Bearer limited"):
+            raise GatewayError(401, "Incorrect API key", code="invalid_api_key")
+        return authorization.removeprefix("Bearer ")
+
+    def models(self, caller, served):
+        return [m for m in served if m == "m"]
+
+    async def admit(self, caller, model, payload):
+        if model != "m":
+            raise GatewayError(403, f"this key may not use '{model}'", code="model_not_allowed")
+        if caller == "limited":
+            raise GatewayError(429, "tokens per minute exceeded", code="rate_limited", retry_after=2.5)
+        return ("ticket", caller)
+
+    def finish(self, ticket, record):
+        self.finished.append((ticket, record))
+
+
+async def test_the_gate_authenticates_admits_and_settles(nursery):
+    engine = FakeEngine()
+    upstream = await engine.start(nursery)
+    gate = FakeGate()
+    gateway = await Gateway().start(nursery, {"m": [upstream], "other": [upstream]}, gate=gate)
+    good = [(b"authorization", b"Bearer good")]
+
+    assert (await gateway.call("POST", "/v1/chat/completions", chat()))[0] == 401
+    assert (await gateway.call("POST", "/v1/chat/completions", chat(), [(b"authorization", b"Bearer x")]))[
+        0
+    ] == 401
+    status, body = await gateway.call("POST", "/v1/chat/completions", {**chat(), "model": "other"}, good)
+    assert (status, body["error"]["code"]) == (403, "model_not_allowed")
+    status, body = await gateway.call("POST", "/v1/chat/completions", {**chat(), "model": "nope"}, good)
+    assert status == 404
+
+    client = await Client.open(gateway.port)
+    await client.send(
+        "POST", "/v1/chat/completions", json.dumps(chat()).encode(), [(b"authorization", b"Bearer limited")]
+    )
+    head = await client.head()
+    await client.rest()
+    assert head.status_code == 429 and (b"retry-after", b"3") in head.headers
+    await client.http.aclose()
+
+    assert (await gateway.call("POST", "/v1/chat/completions", chat(), good)) == (200, ANSWER)
+    status, models = await gateway.call("GET", "/v1/models", b"", good)
+    assert [m["id"] for m in models["data"]] == ["m"]
+    assert (await gateway.call("GET", "/v1/models"))[0] == 401
+    # Only the admitted request was settled, with what it cost.
+    [(ticket, record)] = gate.finished
+    assert ticket == ("ticket", "good") and record.usage == Usage(3, 5, 8) and record.status == 200
+    assert len(engine.seen) == 1  # nothing refused reached the engine

@@ -8,9 +8,18 @@ import json
 class GatewayError(Exception):
     """A request the gateway answers itself, with `status` and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, code: str, type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        type: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # seconds, sent as Retry-After (quota, full queue)
         self.message = message
         self.code = code
         # OpenAI's SDKs only look at the status to pick an exception class; the type is for people.

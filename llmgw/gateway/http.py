@@ -16,6 +16,7 @@ import h11
 import trio
 
 from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.gate import Gate
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted, RequestRecord
 from llmgw.gateway.responder import Responder
@@ -37,13 +38,14 @@ async def serve_gateway(
     host: str,
     port: int,
     *,
+    gate: Gate | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the OpenAI API on host:port (0: any free port) until cancelled; reports the bound port."""
-    relay = Relay(router, on_done=on_done, upstream_timeout=upstream_timeout)
+    relay = Relay(router, gate=gate, on_done=on_done, upstream_timeout=upstream_timeout)
     listeners = await trio.open_tcp_listeners(port, host=host)
     try:
         task_status.started(listeners[0].socket.getsockname()[1])
@@ -93,10 +95,16 @@ async def _serve_request(relay: Relay, max_body_bytes: int, client: H11Stream) -
             bad = GatewayError(error.error_status_hint, message, code="bad_http")
             await responder.error(bad, close=True)
         return False
+    authorization = _header(request, b"authorization")
     if path == MODELS_PATH:
-        await responder.respond(200, _models_body(relay.router.models()))
+        try:
+            models = relay.models(authorization)
+        except GatewayError as error:
+            await responder.error(error)
+            return client.reusable()
+        await responder.respond(200, _models_body(models))
     else:
-        await relay.forward(responder, path, body)
+        await relay.forward(responder, path, body, authorization)
     return client.reusable()
 
 
@@ -118,6 +126,13 @@ async def _read_body(client: H11Stream, request: h11.Request, limit: int) -> byt
             return b"".join(parts)
         else:
             raise trio.BrokenResourceError(f"client connection ended mid-request: {event!r}")
+
+
+def _header(request: h11.Request, name: bytes) -> str | None:
+    for key, value in request.headers:  # h11 lowercases names
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _models_body(models: Sequence[str]) -> bytes:

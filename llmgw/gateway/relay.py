@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import h11
@@ -24,6 +25,9 @@ from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
 from llmgw.gateway.responder import Headers, Responder
 from llmgw.gateway.router import Router, Upstream
 from llmgw.gateway.usage import StreamUsage, Usage, usage_in_body
+
+if TYPE_CHECKING:
+    from llmgw.gateway.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -58,36 +62,58 @@ class Relay:
         self,
         router: Router,
         *,
+        gate: Gate | None = None,
         on_done: Callable[[RequestRecord], None] | None = None,
         upstream_timeout: float = UPSTREAM_TIMEOUT,
         max_idle: int = MAX_IDLE_PER_UPSTREAM,
     ) -> None:
         self.router = router
+        self.gate = gate
         self.on_done = on_done
         self.upstream_timeout = upstream_timeout
         self.max_idle = max_idle
         self.pools: dict[tuple[str, int], UpstreamPool] = {}
         self._turn = 0
 
-    async def forward(self, client: Responder, path: str, body: bytes) -> None:
+    def models(self, authorization: str | None) -> Sequence[str]:
+        """GET /v1/models: the served models this caller may use."""
+        served = self.router.models()
+        if self.gate is None:
+            return served
+        return self.gate.models(self.gate.authenticate(authorization), served)
+
+    async def forward(
+        self, client: Responder, path: str, body: bytes, authorization: str | None = None
+    ) -> None:
         record = RequestRecord(path=path, started=trio.current_time())
+        ticket = None
         try:
-            await self._forward(client, path, body, record)
+            caller = self.gate.authenticate(authorization) if self.gate is not None else None
+            payload = _json_object(body)
+            model = payload.get("model")
+            if not isinstance(model, str):
+                raise GatewayError(400, "the body has no 'model' string", code="missing_model")
+            record.model = model
+            if self.gate is not None:
+                if model not in self.router.models():
+                    raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
+                ticket = await self.gate.admit(caller, model, payload)
+            await self._forward(client, path, payload, body, record)
         except GatewayError as error:
             record.status = error.status
             await client.error(error)
             record.completed = True
         finally:
             record.finished = trio.current_time()
+            if ticket is not None:
+                self.gate.finish(ticket, record)
             if self.on_done is not None:
                 self.on_done(record)
 
-    async def _forward(self, client: Responder, path: str, body: bytes, record: RequestRecord) -> None:
-        payload = _json_object(body)
-        model = payload.get("model")
-        if not isinstance(model, str):
-            raise GatewayError(400, "the body has no 'model' string", code="missing_model")
-        record.model = model
+    async def _forward(
+        self, client: Responder, path: str, payload: dict, body: bytes, record: RequestRecord
+    ) -> None:
+        model = record.model
         record.stream = payload.get("stream") is True
         strip_usage = False
         if record.stream:

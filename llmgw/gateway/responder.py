@@ -6,6 +6,8 @@ is already at hand leaves in one write.
 
 from __future__ import annotations
 
+import math
+
 import h11
 
 from llmgw.gateway.errors import GatewayError
@@ -28,15 +30,19 @@ class Responder:
     async def end(self) -> None:
         await self._client.send(*self._take_head(), h11.EndOfMessage())
 
-    async def respond(self, status: int, body: bytes, *, close: bool = False) -> None:
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    async def respond(self, status: int, body: bytes, *, close: bool = False, extra: Headers = ()) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *extra]
         if close:
             headers.append((b"connection", b"close"))
         self.start(status, headers)
         await self._client.send(*self._take_head(), h11.Data(data=body), h11.EndOfMessage())
 
     async def error(self, error: GatewayError, *, close: bool = False) -> None:
-        await self.respond(error.status, error.body(), close=close)
+        extra: Headers = []
+        if error.retry_after is not None:
+            # Whole seconds, rounded up: a client that waits exactly that long finds room.
+            extra.append((b"retry-after", b"%d" % max(1, math.ceil(error.retry_after))))
+        await self.respond(error.status, error.body(), close=close, extra=extra)
 
     def _take_head(self) -> list[h11.Event]:
         head, self._head = self._head, None
