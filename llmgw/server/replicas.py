@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -65,11 +65,13 @@ class ReplicaManager:
         catalog: Catalog,
         engine_secret: bytes | None,
         config: ReconcileConfig | None = None,
+        on_pass: Callable[[], None] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
         self._engine_secret = engine_secret
         self._config = config or ReconcileConfig()
+        self._on_pass = on_pass  # told after every pass (the gateway's admission: capacity changed)
         self._records: dict[str, Replica] = {}
         # Per shard: the node's registration count when its start was answered. A shard missing
         # from a later registration's list is gone (the agent restarted without it).
@@ -148,6 +150,8 @@ class ReplicaManager:
         self._candidates = {rid: why for rid, why in self._candidates.items() if rid in self._records}
         for action in plan.actions:
             self._carry_out(action, now)
+        if self._on_pass is not None:
+            self._on_pass()
 
     # --- inputs --------------------------------------------------------------------------------
 
