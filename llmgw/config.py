@@ -245,6 +245,13 @@ def _catalog_problems(models: Iterable[Model], profiles: Iterable[Profile]) -> I
 
 
 @attrs.frozen(kw_only=True)
+class GatewayConfig:
+    """The OpenAI-compatible endpoint clients call with their API keys."""
+
+    listen: Address = Address(host="127.0.0.1", port=8080)
+
+
+@attrs.frozen(kw_only=True)
 class RestartConfig:
     """How a replica whose engine failed is started again (llmgw.core.restart_policy)."""
 
@@ -281,6 +288,7 @@ class ServerConfig:
     log_level: LogLevel = "info"
     link: LinkConfig = attrs.field(factory=LinkConfig)
     admin: AdminConfig = attrs.field(factory=AdminConfig)
+    gateway: GatewayConfig = attrs.field(factory=GatewayConfig)
     reconcile: ReconcileSection = attrs.field(factory=ReconcileSection)
     # Catalog entries owned by this file: written into the store at every start, replacing what
     # an earlier server.yaml declared; the admin API cannot change or remove them.

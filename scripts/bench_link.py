@@ -220,6 +220,8 @@ def write_server_config(tmp: Path, interval: float, missed: int, log_level: str)
         f"  missed_heartbeats: {missed}\n"
         "admin:\n"
         "  listen: 127.0.0.1:0\n"
+        "gateway:\n"
+        "  listen: 127.0.0.1:0\n"
     )
     return config
 

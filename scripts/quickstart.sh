@@ -23,6 +23,7 @@ check_only=0
 export LLMGW_HOME=${LLMGW_HOME:-$PWD/.llmgw}
 link_port=${LLMGW_LINK_PORT:-7070}
 admin_port=${LLMGW_ADMIN_PORT:-7071}
+gateway_port=${LLMGW_GATEWAY_PORT:-8080}
 
 ensure_venv
 llmgw=.venv/bin/llmgw
@@ -44,6 +45,8 @@ link:
   listen: 127.0.0.1:$link_port
 admin:
   listen: 127.0.0.1:$admin_port
+gateway:
+  listen: 127.0.0.1:$gateway_port
 models:
   smollm2: {path: $model, format: gguf}
 profiles:

@@ -96,6 +96,7 @@ class Server:
         *,
         link_port: int = 0,
         admin_port: int = 0,
+        gateway_port: int = 0,
         reconcile: dict | None = None,
         **link: object,
     ) -> None:
@@ -107,6 +108,7 @@ class Server:
                 "data_dir": str(self.data_dir),
                 "link": {"listen": f"127.0.0.1:{link_port}", **link},
                 "admin": {"listen": f"127.0.0.1:{admin_port}"},
+                "gateway": {"listen": f"127.0.0.1:{gateway_port}"},
                 **({"reconcile": reconcile} if reconcile else {}),
             },
         )

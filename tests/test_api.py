@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import urllib.error
 import urllib.request
@@ -15,12 +16,15 @@ import llmgw
 from llmgw.config import converter
 from llmgw.core.catalog import Model, Profile
 from llmgw.core.liveness import Liveness
+from llmgw.core.quota import Limits
 from llmgw.ctl.client import AdminClient, CtlError
 from llmgw.server import api, tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore
+from llmgw.server.store import AsyncStore, UsageRecord
+from llmgw.server.tenants import Tenants
+from llmgw.server.usage import UsageRecorder
 from llmgw.wire.messages import Gpu, Inventory, Ping, Pong, Register
 
 ADMIN_TOKEN = "admin-secret"
@@ -463,3 +467,183 @@ async def test_delete_refuses_config_entries(admin: Api):
     status, body = await fetch("DELETE", admin.url + "/admin/v1/models/smollm2-135m")
     assert status == 409
     assert list(admin.catalog.profiles()) == ["smollm2-cpu"]
+
+
+# --- tenants, api keys and usage ----------------------------------------------------------------
+
+
+@attrs.frozen
+class TenantApi:
+    url: str
+    tenants: Tenants
+    usage: UsageRecorder
+
+
+@pytest.fixture
+async def tenant_admin(tmp_path: Path, nursery):
+    store = await AsyncStore.open(tmp_path / "data")
+    registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
+    catalog = await Catalog.load(store, [], [])
+    tenants = await Tenants.load(store)
+    # Short, so a test waiting for a commit waits little; it waits for the commit, not the time.
+    usage = UsageRecorder(store, flush_interval=0.05)
+    await nursery.start(usage.run)
+    port = await nursery.start(
+        functools.partial(serve_admin, tenants=tenants, usage=usage),
+        registry,
+        catalog,
+        tokens.digest(ADMIN_TOKEN),
+        ENGINE_SECRET,
+        "127.0.0.1",
+        0,
+    )
+    yield TenantApi(f"http://127.0.0.1:{port}", tenants, usage)
+    nursery.cancel_scope.cancel()
+    await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/admin/v1/tenants"),
+        ("POST", "/admin/v1/tenants"),
+        ("DELETE", "/admin/v1/tenants/acme"),
+        ("POST", "/admin/v1/tenants/acme/limits"),
+        ("GET", "/admin/v1/keys"),
+        ("POST", "/admin/v1/keys"),
+        ("DELETE", "/admin/v1/keys/k-00000000"),
+        ("GET", "/admin/v1/usage"),
+    ],
+)
+async def test_tenant_endpoints_need_the_token(tenant_admin: TenantApi, method: str, path: str):
+    status, body = await fetch(method, tenant_admin.url + path, token=None, body={"name": "acme"})
+    assert (status, body["error"]["type"]) == (401, "unauthorized")
+    assert tenant_admin.tenants.list_tenants() == []
+
+
+async def test_tenants_are_created_listed_limited_and_refused(tenant_admin: TenantApi):
+    url = tenant_admin.url + "/admin/v1/tenants"
+    status, tenant = await fetch("POST", url, body={"name": "acme", "limits": {"rpm": 60}})
+    assert status == 201
+    assert tenant == {
+        "name": "acme",
+        "limits": {"rpm": 60, "tpm": None, "tpd": None},
+        "created": tenant["created"],
+        "active_keys": 0,
+    }
+    assert await fetch("GET", url) == (200, {"tenants": [tenant]})
+
+    status, body = await fetch("POST", url, body={"name": "acme"})
+    assert (status, body["error"]["message"]) == (409, 'tenant "acme" already exists')
+    status, body = await fetch("POST", url, body={"name": "acme", "limits": {"rpm": 0}, "colour": "red"})
+    assert (status, body["error"]["message"]) == (
+        400,
+        "colour: unknown field (expected one of: name, limits)",
+    )
+    status, body = await fetch("POST", url, body={"name": "b", "limits": {"rpm": 0}})
+    assert (status, body["error"]["message"]) == (
+        400,
+        "limits.rpm: expected a whole number of at least 1, or null, got 0",
+    )
+    status, body = await fetch("POST", url, body={"name": 5})
+    assert (status, body["error"]["message"]) == (400, "name: expected a string, got 5")
+
+    status, body = await fetch("POST", url + "/acme/limits", body={"tpm": 1000})
+    assert (status, body["limits"]) == (200, {"rpm": None, "tpm": 1000, "tpd": None})
+    status, _ = await fetch("POST", url + "/nobody/limits", body={})
+    assert status == 404
+
+
+async def test_a_key_secret_is_shown_once_and_works_until_revoked(tenant_admin: TenantApi):
+    await fetch("POST", tenant_admin.url + "/admin/v1/tenants", body={"name": "acme"})
+    status, created = await fetch(
+        "POST",
+        tenant_admin.url + "/admin/v1/keys",
+        body={"tenant": "acme", "models": ["org/qwen"], "band": 1, "limits": {"tpd": 5000}},
+    )
+    assert status == 201
+    secret = created.pop("secret")
+    assert created == {
+        "id": created["id"],
+        "tenant": "acme",
+        "models": ["org/qwen"],
+        "band": 1,
+        "limits": {"rpm": None, "tpm": None, "tpd": 5000},
+        "created": created["created"],
+        "revoked": None,
+    }
+    assert tenant_admin.tenants.authenticate(secret).id == created["id"]
+
+    status, listing = await fetch("GET", tenant_admin.url + "/admin/v1/keys?tenant=acme")
+    assert (status, listing) == (200, {"keys": [created]})
+    assert secret not in json.dumps(listing)
+    status, body = await fetch("GET", tenant_admin.url + "/admin/v1/keys?tenant=nobody")
+    assert (status, body["error"]["message"]) == (404, 'tenant: no tenant "nobody"')
+
+    status, body = await fetch("DELETE", tenant_admin.url + "/admin/v1/tenants/acme")
+    assert status == 409
+    assert (
+        body["error"]["message"]
+        == f'tenant "acme" still has working keys ({created["id"]}); revoke them first'
+    )
+
+    status, revoked = await fetch("DELETE", tenant_admin.url + f"/admin/v1/keys/{created['id']}")
+    assert status == 200 and revoked["revoked"] is not None
+    assert tenant_admin.tenants.authenticate(secret) is None
+    assert (await fetch("DELETE", tenant_admin.url + "/admin/v1/keys/k-99999999"))[0] == 404
+
+    status, body = await fetch("DELETE", tenant_admin.url + "/admin/v1/tenants/acme")
+    assert (status, body) == (200, {"deleted": {"tenant": "acme"}})
+    assert (await fetch("DELETE", tenant_admin.url + "/admin/v1/tenants/acme"))[0] == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"models": []}, "tenant: expected a tenant's name, got null"),
+        ({"tenant": "nobody"}, 'tenant: no tenant "nobody"'),
+        ({"tenant": "acme", "models": "org/qwen"}, 'models: expected a list of model names, got "org/qwen"'),
+        ({"tenant": "acme", "band": "high"}, 'band: expected an integer, got "high"'),
+        ({"tenant": "acme", "limits": {"tpm": -1}}, "limits.tpm: expected a whole number of at least 1"),
+        ([], 'expected a JSON object like {"tenant": "acme"}'),
+    ],
+)
+async def test_bad_key_requests_name_the_field(tenant_admin: TenantApi, body, message):
+    await tenant_admin.tenants.create_tenant("acme", Limits())
+    status, answer = await fetch("POST", tenant_admin.url + "/admin/v1/keys", body=body)
+    assert status in (400, 404)
+    assert answer["error"]["message"].startswith(message)
+    assert tenant_admin.tenants.list_keys() == []
+
+
+async def test_usage_is_summarised(tenant_admin: TenantApi):
+    day = 1_793_534_400.0  # 2026-11-01 12:00 UTC
+    seen = tenant_admin.usage.flushes.version
+    for tenant, model, status in (("acme", "a", 200), ("acme", "b", 500), ("beta", "a", 200)):
+        tenant_admin.usage.record(UsageRecord(day, tenant, "k-00000001", model, "r-1", 10, 5, 20.0, status))
+    with trio.fail_after(10):
+        await tenant_admin.usage.flushes.wait_past(seen)
+
+    status, body = await fetch("GET", tenant_admin.url + "/admin/v1/usage?by=tenant&since=2026-11-01")
+    assert status == 200
+    assert body["by"] == ["tenant"]
+    assert [(r["tenant"], r["requests"], r["total_tokens"], r["errors"]) for r in body["usage"]] == [
+        ("acme", 2, 30, 1),
+        ("beta", 1, 15, 0),
+    ]
+    status, body = await fetch("GET", tenant_admin.url + "/admin/v1/usage")
+    assert [(r["tenant"], r["model"], r["day"]) for r in body["usage"]] == [
+        ("acme", "a", "2026-11-01"),
+        ("acme", "b", "2026-11-01"),
+        ("beta", "a", "2026-11-01"),
+    ]
+    status, body = await fetch("GET", tenant_admin.url + "/admin/v1/usage?until=2026-10-31")
+    assert (status, body["usage"]) == (200, [])
+    status, body = await fetch("GET", tenant_admin.url + "/admin/v1/usage?by=replica")
+    assert status == 400
+    assert body["error"]["message"].startswith("by: cannot group by replica")
+    status, body = await fetch("GET", tenant_admin.url + "/admin/v1/usage?since=soon")
+    assert (status, body["error"]["message"]) == (
+        400,
+        "since: expected a date (2026-11-01) or a date and time, got 'soon'",
+    )

@@ -106,6 +106,7 @@ def test_server_serves_and_stops_cleanly(binary, frozen_env, tmp_path, target):
             "data_dir": str(data_dir),
             "link": {"listen": "127.0.0.1:0"},
             "admin": {"listen": "127.0.0.1:0"},
+            "gateway": {"listen": "127.0.0.1:0"},
         },
     )
     server = Proc([str(binary), "server", "--config", str(config)], tmp_path / "server.log", env=frozen_env)

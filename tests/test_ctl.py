@@ -576,3 +576,191 @@ def test_delete(catalog_client, capsys):
     assert json.loads(capsys.readouterr().out) == {"deleted": {"kind": "model", "name": "org/qwen"}}
     with pytest.raises(SystemExit):
         parse(["ctl", "delete", "adapter", "x"])
+
+
+# --- tenants, api keys and usage ----------------------------------------------------------------
+
+NOV1 = 1_793_534_400.0  # 2026-11-01 12:00 UTC
+
+TENANTS = [
+    {"name": "acme", "limits": {"rpm": 60, "tpm": 100_000, "tpd": None}, "created": NOV1, "active_keys": 2},
+    {"name": "beta", "limits": {"rpm": None, "tpm": None, "tpd": None}, "created": NOV1, "active_keys": 0},
+]
+KEYS = [
+    {
+        "id": "k-3f9a2c1d",
+        "tenant": "acme",
+        "models": ["org/qwen", "smollm2"],
+        "band": 1,
+        "limits": {"rpm": None, "tpm": 5_000, "tpd": None},
+        "created": NOV1,
+        "revoked": None,
+    },
+    {
+        "id": "k-00c0ffee",
+        "tenant": "acme",
+        "models": [],
+        "band": 0,
+        "limits": None,
+        "created": NOV1,
+        "revoked": NOV1 + 90,
+    },
+]
+SECRET = "llmgw-k-3f9a2c1d-s3cr3t"
+USAGE = {
+    "by": ["tenant", "day"],
+    "since": None,
+    "until": None,
+    "usage": [
+        {
+            "tenant": "acme",
+            "day": "2026-11-01",
+            "requests": 1200,
+            "prompt_tokens": 30_000,
+            "completion_tokens": 12_000,
+            "total_tokens": 42_000,
+            "errors": 3,
+            "avg_latency_ms": 412.4,
+        }
+    ],
+}
+
+
+class TenantClient:
+    """Answers like the admin API's tenant, key and usage endpoints, and remembers what was sent."""
+
+    sent: list[tuple[str, str, object]] = []
+
+    def __init__(self, server: str, token: str | None) -> None:
+        pass
+
+    def get(self, path: str):
+        self.sent.append(("GET", path, None))
+        if path.startswith("/admin/v1/usage"):
+            return USAGE
+        return {"/admin/v1/tenants": {"tenants": TENANTS}}.get(path, {"keys": KEYS})
+
+    def post(self, path: str, body=None):
+        self.sent.append(("POST", path, body))
+        if path == "/admin/v1/keys":
+            return {**KEYS[0], "secret": SECRET}
+        return TENANTS[0]
+
+    def delete(self, path: str):
+        self.sent.append(("DELETE", path, None))
+        if path.startswith("/admin/v1/keys/"):
+            return KEYS[1]
+        return {"deleted": {"tenant": "beta"}}
+
+
+@pytest.fixture
+def tenant_client(context_file, monkeypatch):
+    monkeypatch.setattr(commands, "AdminClient", TenantClient)
+    monkeypatch.setattr(TenantClient, "sent", [])
+    return TenantClient
+
+
+def test_tenants_table():
+    assert table_lines(render.tenants_table(TENANTS, NOW)) == [
+        ["NAME", "LIMITS", "KEYS", "CREATED"],
+        ["acme", "rpm", "60,", "tpm", "100,000", "2", "2026-11-01", "12:00"],
+        ["beta", "unlimited", "0", "2026-11-01", "12:00"],
+    ]
+
+
+def test_keys_table():
+    assert table_lines(render.keys_table(KEYS, NOW)) == [
+        ["ID", "TENANT", "MODELS", "BAND", "LIMITS", "CREATED", "REVOKED"],
+        ["k-3f9a2c1d", "acme", "org/qwen,", "smollm2", "1", "tpm", "5,000", "2026-11-01", "12:00", "-"],
+        ["k-00c0ffee", "acme", "all", "0", "-", "2026-11-01", "12:00", "2026-11-01", "12:01"],
+    ]
+
+
+def test_usage_table():
+    assert table_lines(render.usage_table(USAGE["by"], USAGE["usage"])) == [
+        ["TENANT", "DAY", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL", "ERRORS", "AVG", "LATENCY"],
+        ["acme", "2026-11-01", "1,200", "30,000", "12,000", "42,000", "3", "412", "ms"],
+    ]
+
+
+def test_tenant_commands_send_the_limits(tenant_client, capsys):
+    assert run(["tenant", "create", "acme", "--rpm", "60", "--tpm", "100000"]) == 0
+    assert capsys.readouterr().out == "tenant acme: created (rpm 60, tpm 100,000)\n"
+    assert run(["tenant", "limits", "acme", "--tpd", "9"]) == 0
+    assert run(["tenant", "delete", "beta"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "tenant beta: deleted"
+    assert tenant_client.sent == [
+        ("POST", "/admin/v1/tenants", {"name": "acme", "limits": {"rpm": 60, "tpm": 100_000, "tpd": None}}),
+        ("POST", "/admin/v1/tenants/acme/limits", {"rpm": None, "tpm": None, "tpd": 9}),
+        ("DELETE", "/admin/v1/tenants/beta", None),
+    ]
+    assert run(["tenants"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split() == ["NAME", "LIMITS", "KEYS", "CREATED"]
+    assert run(["tenants", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"tenants": TENANTS}
+
+
+def test_keys_create_prints_the_secret_once_with_a_warning(tenant_client, capsys):
+    assert (
+        run(
+            ["keys", "create", "--tenant", "acme", "--model", "org/qwen", "--model", "smollm2", "--band", "1"]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    assert out == f"api key k-3f9a2c1d for tenant acme: created\n{SECRET}\n"
+    assert err == "warning: this secret will not be shown again; give it to the client now\n"
+    assert tenant_client.sent == [
+        (
+            "POST",
+            "/admin/v1/keys",
+            {"tenant": "acme", "models": ["org/qwen", "smollm2"], "band": 1, "limits": None},
+        )
+    ]
+    assert run(["keys", "create", "--tenant", "acme", "--tpm", "5000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["secret"] == SECRET
+    assert tenant_client.sent[-1][2] == {
+        "tenant": "acme",
+        "models": [],
+        "band": 0,
+        "limits": {"rpm": None, "tpm": 5000, "tpd": None},
+    }
+    with pytest.raises(SystemExit):
+        parse(["ctl", "keys", "create"])  # --tenant is required
+
+
+def test_keys_list_and_revoke(tenant_client, capsys):
+    assert run(["keys", "--tenant", "acme"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["ID", "TENANT", "MODELS", "BAND", "LIMITS", "CREATED", "REVOKED"]
+    assert SECRET not in out
+    assert run(["keys", "revoke", "k-00c0ffee"]) == 0
+    assert capsys.readouterr().out == "api key k-00c0ffee: revoked\n"
+    assert run(["keys", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"keys": KEYS}
+    assert tenant_client.sent == [
+        ("GET", "/admin/v1/keys?tenant=acme", None),
+        ("DELETE", "/admin/v1/keys/k-00c0ffee", None),
+        ("GET", "/admin/v1/keys", None),
+    ]
+
+
+def test_usage_sends_its_query_and_prints_a_table(tenant_client, capsys):
+    assert run(["usage", "--by", "tenant,day", "--since", "2026-11-01"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["acme", "2026-11-01", "1,200"]
+    assert run(["usage", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == USAGE
+    assert tenant_client.sent == [
+        ("GET", "/admin/v1/usage?by=tenant%2Cday&since=2026-11-01", None),
+        ("GET", "/admin/v1/usage?by=tenant%2Cmodel%2Cday", None),
+    ]
+
+
+def test_empty_tenants_and_usage_say_so(tenant_client, monkeypatch, capsys):
+    monkeypatch.setattr(TenantClient, "get", lambda self, path: {"tenants": [], "usage": [], "by": []})
+    assert run(["tenants"]) == 0
+    assert run(["usage"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "no tenants: make one with `llmgw ctl tenant create NAME`",
+        "no usage recorded in that time",
+    ]

@@ -30,8 +30,14 @@ class Keys:
     def authenticate(self, secret: str):
         return self.by_secret.get(secret)
 
-    def tenant_limits(self, tenant: str):
-        return self.tenants.get(tenant)
+    def tenant(self, name: str):
+        limits = self.tenants.get(name)
+        return None if limits is None else Tenant(limits)
+
+
+@attrs.frozen
+class Tenant:
+    limits: Limits
 
 
 class Room:
@@ -46,10 +52,10 @@ class Room:
 
 class Usages:
     def __init__(self) -> None:
-        self.records: list[tuple[str, RequestRecord]] = []
+        self.records: list = []
 
-    def record_request(self, *, key, record, replica, wall_started) -> None:
-        self.records.append((key.id, record))
+    def record(self, record) -> None:
+        self.records.append(record)
 
 
 def served(usage: Usage | None) -> RequestRecord:
@@ -141,7 +147,10 @@ async def test_requests_wait_for_room_and_are_let_through_as_slots_free(autojump
         assert g.queue_depths() == {"m": {0: 1}}
         g.finish(first, served(Usage(1, 2, 3)))
     assert second_in.is_set()
-    assert [key for key, _ in usage.records] == ["k-a", "k-a"]
+    assert [(r.key_id, r.tenant, r.prompt_tokens, r.completion_tokens) for r in usage.records] == [
+        ("k-a", "alice", 1, 2),
+        ("k-a", "alice", 1, 1),
+    ]
 
 
 async def test_more_room_lets_waiters_through(autojump_clock):

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from llmgw.agent.processes import read_stat
@@ -140,6 +141,38 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         assert chat(port, None) == 401
         assert chat(port, "not-the-key") == 401
         started_at = read_stat(engine_pid).start_time
+
+        # The same replica through the gateway, with the official OpenAI SDK and an llmgw API key.
+        server.admin("POST", "/admin/v1/tenants", {"name": "acme", "limits": {"rpm": 100}})
+        secret = server.admin("POST", "/admin/v1/keys", {"tenant": "acme", "models": ["smollm2"]})["secret"]
+        gateway = f"http://{server.endpoints['gateway']}/v1"
+        client = openai.OpenAI(base_url=gateway, api_key=secret, max_retries=0, timeout=60)
+        answer = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+        )
+        assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
+        chunks = list(
+            client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, stream=True
+            )
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert all(c.usage is None for c in chunks)  # the usage chunk llmgw asked for is stripped
+        assert [m.id for m in client.models.list()] == ["smollm2"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gateway, api_key="llmgw-k-00000000-nope", max_retries=0).models.list()
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        # Every request left a usage record for the tenant.
+        summary = wait_until(
+            lambda: [
+                row
+                for row in server.admin("GET", "/admin/v1/usage?by=tenant,model")["usage"]
+                if row["tenant"] == "acme" and row["requests"] >= 2
+            ],
+            "the usage records",
+        )
+        assert summary[0]["model"] == "smollm2" and summary[0]["completion_tokens"] > 0
 
         # kill -9 the agent: the engine keeps serving; a new agent adopts the same process.
         agent.kill9()

@@ -15,11 +15,14 @@ from llmgw.server.store import (
     DB_FILENAME,
     MIGRATIONS,
     SCHEMA_VERSION,
+    ApiKeyRow,
     AsyncStore,
     CatalogRow,
     NodeRow,
     Store,
     StoreError,
+    TenantRow,
+    UsageRecord,
 )
 
 CHILD = Path(__file__).with_name("store_writer_child.py")
@@ -127,7 +130,7 @@ def test_a_version_1_database_is_migrated_and_keeps_its_data(data_dir: Path):
 
     store = Store.open(data_dir)
     try:
-        assert user_version(path) == 2
+        assert user_version(path) == SCHEMA_VERSION
         assert [n.name for n in store.list_nodes()] == ["n1"]
         assert store.get_secret("engine-key") == b"\x00\xff"
         assert store.list_catalog() == []
@@ -137,6 +140,57 @@ def test_a_version_1_database_is_migrated_and_keeps_its_data(data_dir: Path):
         ]
     finally:
         store.close()
+
+
+def test_a_version_2_database_gains_tenants_keys_and_usage(data_dir: Path):
+    data_dir.mkdir()
+    path = data_dir / DB_FILENAME
+    with sqlite3.connect(path) as conn:
+        conn.executescript(MIGRATIONS[0][1] + MIGRATIONS[1][1])
+        conn.execute("INSERT INTO catalog VALUES ('model', 'm', '{}', 'api', 1.0)")
+        conn.execute("PRAGMA user_version = 2")
+    conn.close()
+
+    store = Store.open(data_dir)
+    try:
+        assert user_version(path) == 3
+        assert store.list_catalog() == [CatalogRow("model", "m", "{}", "api", 1.0)]
+        assert store.list_tenants() == [] and store.list_api_keys() == []
+        store.add_tenant(TenantRow("acme", '{"rpm":1}', 2.0))
+        key = ApiKeyRow("k-00000001", "acme", b"digest", "[]", 0, None, 3.0, None)
+        store.add_api_key(key)
+        assert store.list_api_keys() == [key]
+        store.add_usage([UsageRecord(4.0, "acme", "k-00000001", "m", "r", 1, 2, 3.0, 200)])
+        assert store.summarise_usage(["tenant"], None, None)[0]["requests"] == 1
+    finally:
+        store.close()
+    with sqlite3.connect(path) as conn:
+        indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    conn.close()
+    assert {"usage_time", "usage_tenant_time"} <= indexes
+
+
+# --- tenants, api keys and usage ----------------------------------------------------------------
+
+
+def test_a_key_needs_its_tenant_and_revoking_is_once(store: Store):
+    with pytest.raises(apsw.ConstraintError):
+        store.add_api_key(ApiKeyRow("k-1", "nobody", b"d", "[]", 0, None, 1.0, None))
+    store.add_tenant(TenantRow("acme", "{}", 1.0))
+    store.add_api_key(ApiKeyRow("k-1", "acme", b"d", "[]", 0, None, 1.0, None))
+    assert store.revoke_api_key("k-1", 5.0)
+    assert not store.revoke_api_key("k-1", 6.0)
+    assert store.list_api_keys()[0].revoked == 5.0
+    assert store.set_tenant_limits("acme", '{"tpm":5}')
+    assert not store.set_tenant_limits("nobody", "{}")
+    assert store.delete_tenant("acme")  # and its key with it
+    assert store.list_api_keys() == []
+    assert not store.delete_tenant("acme")
+
+
+def test_usage_summaries_group_only_by_known_names(store: Store):
+    with pytest.raises(ValueError, match="cannot group usage by replica"):
+        store.summarise_usage(["replica"], None, None)
 
 
 # --- nodes ------------------------------------------------------------------------------------

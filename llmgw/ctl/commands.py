@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from llmgw.config import ConfigError, converter, parse_catalog_file
 from llmgw.ctl import render
@@ -165,6 +165,8 @@ def add_ctl_parser(subparsers) -> None:
     delete.add_argument("name", metavar="NAME", help="its name, as `llmgw ctl models` or `profiles` lists it")
     _add_json_flag(delete)
 
+    _add_tenant_parsers(commands)
+
     context = commands.add_parser(
         "context",
         help="save or show where ctl finds the server and the token",
@@ -189,6 +191,87 @@ def add_ctl_parser(subparsers) -> None:
         _context_show,
     )
     _add_json_flag(context_show)
+
+
+KEYS_CREATE_EPILOG = """\
+The key's secret is printed once, here, and never again: the server keeps only
+its hash. Give it to the client now; if it is lost, revoke the key and make another.
+"""
+
+
+def _add_tenant_parsers(commands) -> None:
+    tenants = _add(commands, "tenants", "list the tenants, their limits and working keys", _tenants)
+    _add_json_flag(tenants)
+    tenant = commands.add_parser(
+        "tenant", help="one tenant: create, limits, delete", description="Commands about a single tenant."
+    )
+    tenant_commands = tenant.add_subparsers(dest="tenant_command", metavar="COMMAND", required=True)
+    create = _add(tenant_commands, "create", "create a tenant, with its quota", _tenant_create)
+    create.add_argument("name", metavar="NAME", help="the tenant's name")
+    _add_limit_flags(create, "the tenant's")
+    _add_json_flag(create)
+    limits = _add(
+        tenant_commands,
+        "limits",
+        "replace a tenant's quota (a limit not given becomes unlimited)",
+        _tenant_limits,
+    )
+    limits.add_argument("name", metavar="NAME", help="the tenant's name, as `llmgw ctl tenants` lists it")
+    _add_limit_flags(limits, "the tenant's")
+    _add_json_flag(limits)
+    delete = _add(tenant_commands, "delete", "delete a tenant that has no working keys", _tenant_delete)
+    delete.add_argument("name", metavar="NAME", help="the tenant's name, as `llmgw ctl tenants` lists it")
+    _add_json_flag(delete)
+
+    keys = _add(commands, "keys", "list the API keys (never their secrets); create, revoke", _keys)
+    keys.add_argument("--tenant", metavar="TENANT", help="only this tenant's keys")
+    _add_json_flag(keys)
+    key_commands = keys.add_subparsers(dest="keys_command", metavar="COMMAND")
+    key_create = _add(key_commands, "create", "make an API key and print its secret, once", _keys_create)
+    key_create.epilog = KEYS_CREATE_EPILOG
+    key_create.add_argument("--tenant", metavar="TENANT", required=True, help="the tenant it belongs to")
+    key_create.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="a model it may use (repeat for more; none given: every model)",
+    )
+    key_create.add_argument(
+        "--band", type=int, default=0, metavar="N", help="priority band, higher first (default 0)"
+    )
+    _add_limit_flags(key_create, "the key's own (on top of its tenant's)")
+    _add_json_flag(key_create)
+    revoke = _add(key_commands, "revoke", "revoke an API key: it fails from now on", _keys_revoke)
+    revoke.add_argument("id", metavar="ID", help="the key's id, as `llmgw ctl keys` lists it")
+    _add_json_flag(revoke)
+
+    usage = _add(commands, "usage", "summarise the usage account: requests and tokens", _usage)
+    usage.add_argument(
+        "--by",
+        default="tenant,model,day",
+        metavar="GROUPS",
+        help="comma-separated, of tenant, model, day (UTC); empty for one total (default: tenant,model,day)",
+    )
+    usage.add_argument(
+        "--since", metavar="DATE", help="from this date or time (UTC unless it says), inclusive"
+    )
+    usage.add_argument("--until", metavar="DATE", help="to this date (the whole day) or time, exclusive")
+    _add_json_flag(usage)
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser, whose: str) -> None:
+    for flag, what in (
+        ("--rpm", "requests per minute"),
+        ("--tpm", "tokens per minute"),
+        ("--tpd", "tokens per day"),
+    ):
+        parser.add_argument(flag, type=int, metavar="N", help=f"{whose} {what} (default: unlimited)")
+
+
+def _limits_body(args: argparse.Namespace) -> dict:
+    return {"rpm": args.rpm, "tpm": args.tpm, "tpd": args.tpd}
 
 
 def _add(commands, name: str, help_text: str, func: Callable[[argparse.Namespace], int]):
@@ -367,6 +450,85 @@ def _delete(args: argparse.Namespace) -> int:
         render.print_json(answer)
     else:
         print(f"{args.kind} {args.name}: deleted")
+    return 0
+
+
+def _tenants(args: argparse.Namespace) -> int:
+    empty = "no tenants: make one with `llmgw ctl tenant create NAME`"
+    return _listing(args, "/admin/v1/tenants", "tenants", empty, render.tenants_table)
+
+
+def _tenant_create(args: argparse.Namespace) -> int:
+    tenant = _client(args).post("/admin/v1/tenants", {"name": args.name, "limits": _limits_body(args)})
+    if args.json:
+        render.print_json(tenant)
+    else:
+        print(f"tenant {tenant['name']}: created ({render.limits_text(tenant['limits'])})")
+    return 0
+
+
+def _tenant_limits(args: argparse.Namespace) -> int:
+    tenant = _client(args).post(f"/admin/v1/tenants/{quote(args.name, safe='')}/limits", _limits_body(args))
+    if args.json:
+        render.print_json(tenant)
+    else:
+        print(f"tenant {tenant['name']}: {render.limits_text(tenant['limits'])}")
+    return 0
+
+
+def _tenant_delete(args: argparse.Namespace) -> int:
+    answer = _client(args).delete(f"/admin/v1/tenants/{quote(args.name, safe='')}")
+    if args.json:
+        render.print_json(answer)
+    else:
+        print(f"tenant {args.name}: deleted")
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    path = "/admin/v1/keys" + ("" if args.tenant is None else f"?tenant={quote(args.tenant, safe='')}")
+    empty = "no api keys: make one with `llmgw ctl keys create --tenant TENANT`"
+    return _listing(args, path, "keys", empty, render.keys_table)
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    limits = _limits_body(args)
+    body = {
+        "tenant": args.tenant,
+        "models": args.models,
+        "band": args.band,
+        "limits": limits if any(value is not None for value in limits.values()) else None,
+    }
+    key = _client(args).post("/admin/v1/keys", body)
+    if args.json:
+        render.print_json(key)
+        return 0
+    print(f"api key {key['id']} for tenant {key['tenant']}: created")
+    print(key["secret"])
+    # On stderr, so that `ctl keys create ... > file` leaves only the secret in the file.
+    print("warning: this secret will not be shown again; give it to the client now", file=sys.stderr)
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    key = _client(args).delete(f"/admin/v1/keys/{quote(args.id, safe='')}")
+    if args.json:
+        render.print_json(key)
+    else:
+        print(f"api key {key['id']}: revoked")
+    return 0
+
+
+def _usage(args: argparse.Namespace) -> int:
+    query = {"by": args.by, "since": args.since, "until": args.until}
+    path = "/admin/v1/usage?" + urlencode({name: value for name, value in query.items() if value is not None})
+    answer = _client(args).get(path)
+    if args.json:
+        render.print_json(answer)
+    elif not answer["usage"]:
+        print("no usage recorded in that time")
+    else:
+        render.make_console().print(render.usage_table(answer["by"], answer["usage"]))
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
@@ -264,3 +265,78 @@ def render_replica(replica: dict, now: float, console: Console) -> None:
                 shard.get("reason", ""),
             )
         console.print(table)
+
+
+# --- tenants, api keys and usage --------------------------------------------------------------
+
+
+def limits_text(limits: dict | None) -> str:
+    """``rpm 60, tpm 100,000``; ``unlimited`` when none is set; ``-`` for no limits of its own."""
+    if limits is None:
+        return "-"
+    parts = [f"{name} {value:,}" for name, value in limits.items() if value is not None]
+    return ", ".join(parts) or "unlimited"
+
+
+def date_text(when: float | None) -> str:
+    """A wall-clock time as a UTC date and minute; ``-`` for none."""
+    if when is None:
+        return "-"
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def tenants_table(tenants: list[dict], now: float) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "LIMITS", "KEYS", "CREATED"):
+        table.add_column(column, no_wrap=True, justify="right" if column == "KEYS" else "left")
+    for tenant in tenants:
+        table.add_row(
+            Text(tenant["name"]),
+            Text(limits_text(tenant["limits"])),
+            Text(str(tenant["active_keys"])),
+            Text(date_text(tenant["created"])),
+        )
+    return table
+
+
+def keys_table(keys: list[dict], now: float) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("ID", "TENANT", "MODELS", "BAND", "LIMITS", "CREATED", "REVOKED"):
+        table.add_column(column, no_wrap=column != "MODELS", justify="right" if column == "BAND" else "left")
+    for key in keys:
+        revoked = Text(date_text(key["revoked"]), style="red" if key["revoked"] is not None else "")
+        table.add_row(
+            Text(key["id"]),
+            Text(key["tenant"]),
+            Text(", ".join(key["models"]) or "all"),
+            Text(str(key["band"])),
+            Text(limits_text(key["limits"])),
+            Text(date_text(key["created"])),
+            revoked,
+        )
+    return table
+
+
+USAGE_COLUMNS = (
+    ("REQUESTS", "requests"),
+    ("PROMPT", "prompt_tokens"),
+    ("COMPLETION", "completion_tokens"),
+    ("TOTAL", "total_tokens"),
+    ("ERRORS", "errors"),
+)
+
+
+def usage_table(group_by: list[str], rows: list[dict]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for name in group_by:
+        table.add_column(name.upper(), no_wrap=True)
+    for column, _ in USAGE_COLUMNS:
+        table.add_column(column, justify="right")
+    table.add_column("AVG LATENCY", justify="right")
+    for row in rows:
+        table.add_row(
+            *(Text(str(row[name])) for name in group_by),
+            *(Text(f"{row[field]:,}") for _, field in USAGE_COLUMNS),
+            Text(f"{row['avg_latency_ms']:,.0f} ms"),
+        )
+    return table

@@ -32,6 +32,18 @@ from llmgw.server import tokens
 from llmgw.server.catalog import Catalog, CatalogError, Entry, Invalid, NotFound, Refused, spec_options
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
 from llmgw.server.replicas import ReplicaManager
+from llmgw.server.tenants import (
+    Conflict,
+    KeyRecord,
+    Tenant,
+    TenantError,
+    Tenants,
+    limits_from_json,
+    limits_json,
+)
+from llmgw.server.tenants import Invalid as TenantInvalid
+from llmgw.server.tenants import NotFound as TenantNotFound
+from llmgw.server.usage import UsageRecorder, parse_group_by, parse_time
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
 from llmgw.wire.messages import Ping, Pong
@@ -70,6 +82,8 @@ async def serve_admin(
     port: int,
     *,
     replicas: ReplicaManager | None = None,
+    tenants: Tenants | None = None,
+    usage: UsageRecorder | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -83,7 +97,9 @@ async def serve_admin(
     async with trio.open_nursery() as nursery:
         # hypercorn reports its binds as URLs ("http://127.0.0.1:40313", "http://[::1]:40313")
         # made from getsockname(), so the port in them is the one actually bound.
-        app = make_app(registry, catalog, admin_digest, engine_secret, replicas=replicas)
+        app = make_app(
+            registry, catalog, admin_digest, engine_secret, replicas=replicas, tenants=tenants, usage=usage
+        )
         binds = await nursery.start(serve, app, config)
         task_status.started(urlsplit(binds[0]).port)
 
@@ -95,8 +111,14 @@ def make_app(
     engine_secret: bytes | None = None,
     *,
     replicas: ReplicaManager | None = None,
+    tenants: Tenants | None = None,
+    usage: UsageRecorder | None = None,
 ) -> QuartTrio:
     app = QuartTrio(__name__)
+    if tenants is not None:
+        _add_tenant_routes(app, tenants)
+    if usage is not None:
+        _add_usage_routes(app, usage)
 
     @app.before_request
     async def require_admin_token() -> Response | None:
@@ -234,6 +256,146 @@ def make_app(
         return _error(500, "internal", f"internal error ({type(e).__name__}); the server log has details")
 
     return app
+
+
+def _add_tenant_routes(app: QuartTrio, tenants: Tenants) -> None:
+    @app.get("/admin/v1/tenants")
+    async def list_tenants() -> Response:
+        return jsonify(tenants=[tenant_json(tenant, tenants) for tenant in tenants.list_tenants()])
+
+    @app.post("/admin/v1/tenants")
+    async def create_tenant() -> Response:
+        try:
+            body = _object(await request.get_json(silent=True), ("name", "limits"), '{"name": "acme"}')
+            name = body.get("name")
+            if not isinstance(name, str):
+                raise TenantInvalid(f"name: expected a string, got {json.dumps(name)}")
+            tenant = await tenants.create_tenant(name, limits_from_json(body.get("limits")))
+        except TenantError as e:
+            return _tenant_error(e)
+        log.info("tenants: %s created through the admin API", tenant.name)
+        response = jsonify(tenant_json(tenant, tenants))
+        response.status_code = 201
+        return response
+
+    @app.post("/admin/v1/tenants/<name>/limits")
+    async def set_tenant_limits(name: str) -> Response:
+        try:
+            tenant = await tenants.set_limits(name, limits_from_json(await request.get_json(silent=True)))
+        except TenantError as e:
+            return _tenant_error(e)
+        log.info("tenants: %s limits set to %s through the admin API", name, limits_json(tenant.limits))
+        return jsonify(tenant_json(tenant, tenants))
+
+    @app.delete("/admin/v1/tenants/<name>")
+    async def delete_tenant(name: str) -> Response:
+        try:
+            await tenants.delete_tenant(name)
+        except TenantError as e:
+            return _tenant_error(e)
+        log.info("tenants: %s deleted through the admin API", name)
+        return jsonify(deleted={"tenant": name})
+
+    @app.get("/admin/v1/keys")
+    async def list_keys() -> Response:
+        tenant = request.args.get("tenant")
+        if tenant is not None and tenants.tenant(tenant) is None:
+            return _tenant_error(TenantNotFound(f'tenant: no tenant "{tenant}"'))
+        return jsonify(keys=[key_json(key) for key in tenants.list_keys(tenant)])
+
+    @app.post("/admin/v1/keys")
+    async def create_key() -> Response:
+        try:
+            fields = ("tenant", "models", "band", "limits")
+            body = _object(await request.get_json(silent=True), fields, '{"tenant": "acme"}')
+            tenant, models, band = body.get("tenant"), body.get("models", []), body.get("band", 0)
+            if not isinstance(tenant, str):
+                raise TenantInvalid(f"tenant: expected a tenant's name, got {json.dumps(tenant)}")
+            if not isinstance(models, list):
+                raise TenantInvalid(f"models: expected a list of model names, got {json.dumps(models)}")
+            if isinstance(band, bool) or not isinstance(band, int):
+                raise TenantInvalid(f"band: expected an integer, got {json.dumps(band)}")
+            limits = body.get("limits")
+            record, secret = await tenants.create_key(
+                tenant, models, band, None if limits is None else limits_from_json(limits)
+            )
+        except TenantError as e:
+            return _tenant_error(e)
+        log.info("tenants: api key %s created for %s through the admin API", record.id, record.tenant)
+        response = jsonify({**key_json(record), "secret": secret})
+        response.status_code = 201
+        return response
+
+    @app.delete("/admin/v1/keys/<key_id>")
+    async def revoke_key(key_id: str) -> Response:
+        try:
+            record = await tenants.revoke_key(key_id)
+        except TenantError as e:
+            return _tenant_error(e)
+        log.info("tenants: api key %s revoked through the admin API", key_id)
+        return jsonify(key_json(record))
+
+
+def _add_usage_routes(app: QuartTrio, usage: UsageRecorder) -> None:
+    @app.get("/admin/v1/usage")
+    async def summarise_usage() -> Response:
+        args = request.args
+        try:
+            group_by = parse_group_by(args.get("by", DEFAULT_USAGE_GROUPS))
+            since = None if not args.get("since") else parse_time(args["since"], "since")
+            until = None if not args.get("until") else parse_time(args["until"], "until", end_of_day=True)
+        except ValueError as e:
+            return _error(400, "invalid_request", str(e))
+        rows = await usage.summarise(group_by, since, until)
+        return jsonify(by=group_by, since=since, until=until, usage=rows)
+
+
+DEFAULT_USAGE_GROUPS = "tenant,model,day"
+
+
+def tenant_json(tenant: Tenant, tenants: Tenants) -> dict:
+    return {
+        "name": tenant.name,
+        "limits": limits_json(tenant.limits),
+        "created": tenant.created,
+        "active_keys": len(tenants.active_keys(tenant.name)),
+    }
+
+
+def key_json(key: KeyRecord) -> dict:
+    """A key as listings show it: never its secret or digest."""
+    return {
+        "id": key.id,
+        "tenant": key.tenant,
+        "models": list(key.models),
+        "band": key.band,
+        "limits": None if key.limits is None else limits_json(key.limits),
+        "created": key.created,
+        "revoked": key.revoked,
+    }
+
+
+def _object(body: object, fields: tuple[str, ...], example: str) -> dict:
+    if not isinstance(body, dict):
+        raise TenantInvalid(f"expected a JSON object like {example}")
+    unknown = [key for key in body if key not in fields]
+    if unknown:
+        raise TenantInvalid(
+            "; ".join(f"{key}: unknown field (expected one of: {', '.join(fields)})" for key in unknown)
+        )
+    return body
+
+
+_TENANT_STATUS = {
+    TenantInvalid: (400, "invalid_request"),
+    Conflict: (409, "conflict"),
+    TenantNotFound: (404, "not_found"),
+}
+
+
+def _tenant_error(e: TenantError) -> Response:
+    status, kind = _TENANT_STATUS[type(e)]
+    return _error(status, kind, str(e))
 
 
 def node_json(node: Node) -> dict:

@@ -17,7 +17,7 @@ import itertools
 import json
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -25,6 +25,7 @@ import trio
 from llmgw.core.admission import Accepted, AdmissionQueue, Waiter
 from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation
 from llmgw.gateway import GatewayError, RequestRecord, Router
+from llmgw.server.store import UsageRecord
 
 # Waiters per model before new requests are refused with 429.
 MAX_WAITING = 1024
@@ -45,15 +46,17 @@ class CallerKey(Protocol):
 
 
 class KeyDirectory(Protocol):
+    """server.tenants.Tenants, as the gate uses it (in memory, no store read per request)."""
+
     def authenticate(self, secret: str) -> CallerKey | None: ...
 
-    def tenant_limits(self, tenant: str) -> Limits | None: ...
+    def tenant(self, name: str) -> Any: ...  # with .limits, or None
 
 
 class UsageSink(Protocol):
-    def record_request(
-        self, *, key: CallerKey, record: RequestRecord, replica: str, wall_started: float
-    ) -> None: ...
+    """server.usage.UsageRecorder: record() never waits (records are written in batches)."""
+
+    def record(self, record: UsageRecord) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -110,7 +113,8 @@ class ControlPlaneGate:
         if caller.models and model not in caller.models:
             raise GatewayError(403, f"This API key may not use the model '{model}'", code="model_not_allowed")
         now = trio.current_time()
-        quotas = {("tenant", caller.tenant): self._keys.tenant_limits(caller.tenant) or Limits()}
+        tenant = self._keys.tenant(caller.tenant)
+        quotas = {("tenant", caller.tenant): (tenant.limits if tenant is not None else None) or Limits()}
         if caller.limits is not None:
             quotas[("key", caller.id)] = caller.limits
         reserved = self._quotas.reserve(quotas, estimate_tokens(payload), now)
@@ -141,9 +145,19 @@ class ControlPlaneGate:
             # An engine may have worked on it but said nothing of its usage: keep the estimate.
             self._quotas.settle(ticket.reservation, ticket.reservation.estimate_tokens)
         if self._usage is not None:
-            replica = f"{record.upstream.host}:{record.upstream.port}" if record.upstream else ""
-            self._usage.record_request(
-                key=ticket.key, record=record, replica=replica, wall_started=ticket.wall_started
+            usage = record.usage
+            self._usage.record(
+                UsageRecord(
+                    time=ticket.wall_started,
+                    tenant=ticket.key.tenant,
+                    key_id=ticket.key.id,
+                    model=ticket.model,
+                    replica=f"{record.upstream.host}:{record.upstream.port}" if record.upstream else "",
+                    prompt_tokens=usage.prompt_tokens if usage else 0,
+                    completion_tokens=usage.completion_tokens if usage else 0,
+                    latency_ms=(record.finished - record.started) * 1000,
+                    status=record.status,
+                )
             )
         self._dispatch(ticket.model, trio.current_time())
 

@@ -1,4 +1,9 @@
-"""`llmgw server`: one nursery holding the store, the agent link listener and the admin API."""
+"""`llmgw server`: one nursery holding the store, the agent link listener and the admin API.
+
+The tenants (API keys) and the usage recorder are made here too, as local ``tenants`` and
+``usage``: the gateway starts in this same nursery and takes them as arguments. The recorder runs
+in the nursery, so its last batch is written before the store closes.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +23,18 @@ from llmgw.core import keys
 from llmgw.core.liveness import Liveness
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.core.restart_policy import RestartPolicy
+from llmgw.gateway import serve_gateway
 from llmgw.server import tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
+from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
+from llmgw.server.routing import ReplicaRouter
 from llmgw.server.store import AsyncStore, Store
+from llmgw.server.tenants import Tenants
+from llmgw.server.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,7 @@ class Endpoints:
 
     link: str
     admin: str
+    gateway: str
 
 
 async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -63,13 +74,26 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             handshake_timeout=config.link.handshake_timeout,
             ssl_context=_server_ssl_context(config),
         )
-        replicas = ReplicaManager(registry, catalog, engine_secret, reconcile_config(config))
+        tenants = await Tenants.load(store)
+        usage = UsageRecorder(store)
+        # The gateway's router and gate read the replicas; the replicas tell the gate after each
+        # pass, since a replica that became Ready (or went) changes how much may be admitted.
+        gate: ControlPlaneGate | None = None
+        replicas = ReplicaManager(
+            registry,
+            catalog,
+            engine_secret,
+            reconcile_config(config),
+            on_pass=lambda: gate and gate.redispatch(),
+        )
+        router = ReplicaRouter(catalog, replicas, registry)
+        gate = ControlPlaneGate(tenants, router, router.capacity, usage)
         async with trio.open_nursery() as nursery:
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
             )
             admin_port = await nursery.start(
-                functools.partial(serve_admin, replicas=replicas),
+                functools.partial(serve_admin, replicas=replicas, tenants=tenants, usage=usage),
                 registry,
                 catalog,
                 admin_digest,
@@ -79,13 +103,22 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             )
             nursery.start_soon(registry.run)
             nursery.start_soon(replicas.run)
+            await nursery.start(usage.run)
+            gateway_port = await nursery.start(
+                functools.partial(serve_gateway, router, gate=gate),
+                config.gateway.listen.host,
+                config.gateway.listen.port,
+            )
             endpoints = Endpoints(
                 link=_address(config.link.listen.host, link_listeners[0]),
                 admin=_address(config.admin.listen.host, admin_port),
+                gateway=_address(config.gateway.listen.host, gateway_port),
             )
             _write_endpoints(config.data_dir / ENDPOINTS_FILE, endpoints)
             log.info(
-                "llmgw server up: agent link on %s%s, admin API on http://%s (data in %s)",
+                "llmgw server up: gateway on http://%s, agent link on %s%s, admin API on http://%s"
+                " (data in %s)",
+                endpoints.gateway,
                 endpoints.link,
                 " (TLS)" if config.link.tls else "",
                 endpoints.admin,

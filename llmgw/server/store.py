@@ -10,6 +10,7 @@ The schema is a numbered list of migrations in code; the database records how fa
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -60,6 +61,42 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ) STRICT;
         """,
     ),
+    (
+        3,
+        """
+        CREATE TABLE tenants (
+            name TEXT PRIMARY KEY,
+            limits TEXT NOT NULL,  -- JSON: {"rpm": n, "tpm": n, "tpd": n}, null for unlimited
+            created REAL NOT NULL
+        ) STRICT;
+        CREATE TABLE api_keys (
+            id TEXT PRIMARY KEY,  -- public ("k-3f9a2c1d"), and also the secret's middle part
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            digest BLOB NOT NULL,  -- SHA-256 of the secret; the secret itself is never stored
+            models TEXT NOT NULL,  -- JSON list of the model names it may use; [] for every model
+            band INTEGER NOT NULL,  -- priority band of its requests
+            limits TEXT,  -- JSON like tenants.limits, or NULL: only the tenant's limits apply
+            created REAL NOT NULL,
+            revoked REAL  -- NULL while the key works
+        ) STRICT;
+        CREATE INDEX api_keys_tenant ON api_keys (tenant);
+        -- No foreign keys: the account outlives the tenants and keys it names.
+        CREATE TABLE usage (
+            id INTEGER PRIMARY KEY,
+            time REAL NOT NULL,
+            tenant TEXT NOT NULL,
+            key_id TEXT NOT NULL,
+            model TEXT NOT NULL,
+            replica TEXT NOT NULL,  -- '' when the request reached no replica
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            latency_ms REAL NOT NULL,
+            status INTEGER NOT NULL  -- the HTTP status the client was given
+        ) STRICT;
+        CREATE INDEX usage_time ON usage (time);
+        CREATE INDEX usage_tenant_time ON usage (tenant, time);
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -100,6 +137,52 @@ class CatalogRow:
 
 
 _CATALOG_COLUMNS = "kind, name, spec, source, updated"
+
+
+@attrs.frozen
+class TenantRow:
+    name: str
+    limits: str  # JSON text
+    created: float
+
+
+_TENANT_COLUMNS = "name, limits, created"
+
+
+@attrs.frozen
+class ApiKeyRow:
+    id: str
+    tenant: str
+    digest: bytes
+    models: str  # JSON text: a list of names
+    band: int
+    limits: str | None  # JSON text, or None for none of its own
+    created: float
+    revoked: float | None
+
+
+_API_KEY_COLUMNS = "id, tenant, digest, models, band, limits, created, revoked"
+
+
+@attrs.frozen
+class UsageRecord:
+    """One request's entry in the usage account."""
+
+    time: float  # wall-clock unix seconds when the request arrived
+    tenant: str
+    key_id: str
+    model: str
+    replica: str  # '' when the request reached no replica
+    prompt_tokens: int
+    completion_tokens: int
+    latency_ms: float
+    status: int  # the HTTP status the client was given
+
+
+_USAGE_COLUMNS = "time, tenant, key_id, model, replica, prompt_tokens, completion_tokens, latency_ms, status"
+
+# What usage can be summarised by, as SQL. Only these reach the query text; days are UTC.
+USAGE_GROUPS = {"tenant": "tenant", "model": "model", "day": "date(time, 'unixepoch')"}
 
 
 class Store:
@@ -231,6 +314,101 @@ class Store:
                     "INSERT INTO secrets (name, value, created) VALUES (?, ?, ?)", (name, stored, now)
                 )
             return stored
+
+    # --- tenants and api keys -----------------------------------------------------------------
+
+    def list_tenants(self) -> list[TenantRow]:
+        rows = self._conn.execute(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY name")
+        return [TenantRow(*row) for row in rows]
+
+    def add_tenant(self, row: TenantRow) -> None:
+        with self._conn:
+            self._conn.execute(
+                f"INSERT INTO tenants ({_TENANT_COLUMNS}) VALUES (?, ?, ?)", attrs.astuple(row)
+            )
+
+    def set_tenant_limits(self, name: str, limits: str) -> bool:
+        with self._conn:
+            self._conn.execute("UPDATE tenants SET limits = ? WHERE name = ?", (limits, name))
+            return self._conn.changes() == 1
+
+    def delete_tenant(self, name: str) -> bool:
+        """Deletes the tenant and its keys in one transaction. Refusing while a key still works
+        is the caller's decision; revoked keys only record what was."""
+        with self._conn:
+            self._conn.execute("DELETE FROM api_keys WHERE tenant = ?", (name,))
+            self._conn.execute("DELETE FROM tenants WHERE name = ?", (name,))
+            return self._conn.changes() == 1
+
+    def list_api_keys(self) -> list[ApiKeyRow]:
+        rows = self._conn.execute(f"SELECT {_API_KEY_COLUMNS} FROM api_keys ORDER BY tenant, created, id")
+        return [ApiKeyRow(*row) for row in rows]
+
+    def add_api_key(self, row: ApiKeyRow) -> None:
+        with self._conn:
+            self._conn.execute(
+                f"INSERT INTO api_keys ({_API_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                attrs.astuple(row),
+            )
+
+    def revoke_api_key(self, key_id: str, now: float) -> bool:
+        """Marks a working key revoked; False when there is none of that id or it already was."""
+        with self._conn:
+            self._conn.execute(
+                "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL", (now, key_id)
+            )
+            return self._conn.changes() == 1
+
+    # --- usage --------------------------------------------------------------------------------
+
+    def add_usage(self, records: Sequence[UsageRecord]) -> None:
+        """Appends these records in one transaction: one fsync for a whole batch."""
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT INTO usage ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [attrs.astuple(record) for record in records],
+            )
+
+    def summarise_usage(
+        self, group_by: Sequence[str], since: float | None, until: float | None
+    ) -> list[dict]:
+        """Totals per group (``group_by`` from USAGE_GROUPS, in that order) of the records with
+        ``since <= time < until``; either bound may be None. One dict per group, ordered by it:
+        the group's values, then requests, prompt_tokens, completion_tokens, total_tokens,
+        errors (status not 2xx or 3xx) and avg_latency_ms."""
+        unknown = [name for name in group_by if name not in USAGE_GROUPS]
+        if unknown:
+            raise ValueError(f"cannot group usage by {', '.join(unknown)}")
+        groups = [f"{USAGE_GROUPS[name]} AS {name}" for name in group_by]
+        totals = [
+            "count(*)",
+            "total(prompt_tokens)",
+            "total(completion_tokens)",
+            "count(*) FILTER (WHERE status NOT BETWEEN 200 AND 399)",
+            "avg(latency_ms)",
+        ]
+        sql = f"SELECT {', '.join(groups + totals)} FROM usage WHERE time >= ? AND time < ?"
+        if group_by:
+            order = ", ".join(str(i + 1) for i in range(len(group_by)))
+            sql += f" GROUP BY {order} ORDER BY {order}"
+        else:
+            sql += " HAVING count(*) > 0"  # no records: no row, as for an empty group
+        bounds = (-math.inf if since is None else since, math.inf if until is None else until)
+        result = []
+        for row in self._conn.execute(sql, bounds):
+            requests, prompt, completion, errors, latency = row[len(group_by) :]
+            result.append(
+                {
+                    **dict(zip(group_by, row, strict=False)),
+                    "requests": requests,
+                    "prompt_tokens": int(prompt),
+                    "completion_tokens": int(completion),
+                    "total_tokens": int(prompt + completion),
+                    "errors": errors,
+                    "avg_latency_ms": latency,
+                }
+            )
+        return result
 
 
 def _prepare_files(data_dir: Path, path: Path) -> None:
