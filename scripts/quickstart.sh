@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets this machine up and runs llmgw on it: the server, one local agent, and a real model
 # (SmolLM2-135M-Instruct on llama.cpp, on the CPU) that the reconciler places from the catalog;
-# then it asks the model one question.
+# then it makes an API key and asks the model one question through the OpenAI-compatible gateway.
 #
 #   scripts/quickstart.sh           run until Ctrl-C (which stops the engine, the agent, the server)
 #   scripts/quickstart.sh --check   the same, then stop (a smoke test)
@@ -11,8 +11,8 @@
 #
 # Everything lives under $LLMGW_HOME (default: .llmgw/ in this checkout): the server's store and
 # secrets, the agent's work directory, the model, the logs. Running it again reuses all of it.
-# Ports: $LLMGW_LINK_PORT (agent link, default 7070) and $LLMGW_ADMIN_PORT (admin API, 7071),
-# both on 127.0.0.1 only; the engine gets one from 20000 up.
+# Ports, all on 127.0.0.1: $LLMGW_GATEWAY_PORT (the gateway, default 8080), $LLMGW_LINK_PORT (agent
+# link, 7070), $LLMGW_ADMIN_PORT (admin API, 7071); the engine gets one from 20000 up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -118,24 +118,27 @@ ready() { "$llmgw" ctl replicas --json | grep -q '"state": "Ready"'; }
 wait_for 180 "the SmolLM2 replica to be Ready" ready
 "$llmgw" ctl replicas
 
-replica_field() {  # a field of the (first) Ready replica
-  "$llmgw" ctl replicas --json |
-    "$python" -c "import json, sys; print([r for r in json.load(sys.stdin)['replicas'] if r['state'] == 'Ready'][0]['$1'])"
-}
-replica=$(replica_field id)
-endpoint=$(replica_field endpoint)
-echo "==> asking the model (replica $replica, engine at $endpoint)"
-LLMGW_ENGINE_KEY=$("$llmgw" ctl replica key "$replica") "$python" - "$endpoint" <<'PY'
+# An API key for the gateway: made once (the secret is shown only when it is made), kept 0600.
+key_file=$LLMGW_HOME/api-key
+if [ ! -s "$key_file" ]; then
+  "$llmgw" ctl tenant create quickstart >/dev/null 2>&1 || true  # it exists from an earlier run
+  (umask 077 && "$llmgw" ctl keys create --tenant quickstart --json 2>/dev/null |
+    "$python" -c "import json, sys; print(json.load(sys.stdin)['secret'])" > "$key_file")
+fi
+gateway=http://127.0.0.1:$gateway_port/v1
+
+echo "==> asking the model through the gateway ($gateway)"
+LLMGW_API_KEY=$(cat "$key_file") "$python" - "$gateway" <<'PY'
 import json, os, sys, urllib.request
 
 question = "What is the capital of France?"
 request = urllib.request.Request(
-    f"http://{sys.argv[1]}/v1/chat/completions",
+    f"{sys.argv[1]}/chat/completions",
     data=json.dumps(
         {"model": "smollm2", "max_tokens": 32, "temperature": 0,
          "messages": [{"role": "user", "content": question}]}
     ).encode(),
-    headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["LLMGW_ENGINE_KEY"]},
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["LLMGW_API_KEY"]},
 )
 with urllib.request.urlopen(request, timeout=60) as response:
     answer = json.load(response)["choices"][0]["message"]["content"].strip()
@@ -147,16 +150,19 @@ if [ $check_only = 1 ]; then
 fi
 cat <<TEXT
 
-llmgw is running with SmolLM2 on this machine's CPU. In another shell:
-  $llmgw ctl nodes                 the fleet (ctl's context is saved: no flags needed)
-  $llmgw ctl replicas              where each replica runs, and its state
-  $llmgw ctl profiles              the catalog (declared in $LLMGW_HOME/server.yaml)
-Call the engine straight, with its replica's key:
-  KEY=\$($llmgw ctl replica key $replica)
-  curl http://$endpoint/v1/chat/completions -H "Authorization: Bearer \$KEY" \\
+llmgw is running with SmolLM2 on this machine's CPU. Call it like OpenAI (your key is in
+$key_file):
+  curl $gateway/chat/completions -H "Authorization: Bearer \$(cat $key_file)" \\
     -H 'Content-Type: application/json' \\
     -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hello!"}]}'
-The OpenAI-compatible gateway in front of it (one endpoint, API keys, quotas) comes next.
+
+  from openai import OpenAI
+  client = OpenAI(base_url="$gateway", api_key=open("$key_file").read().strip())
+  client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hello!"}])
+
+In another shell (ctl's context is saved: no flags needed):
+  $llmgw ctl nodes        the fleet          $llmgw ctl replicas     where each replica runs
+  $llmgw ctl profiles     the catalog        $llmgw ctl usage        who used what
 Press Ctrl-C to stop the engine, the agent and the server.
 TEXT
 wait "$server_pid"

@@ -35,12 +35,13 @@ def refused(port: int) -> bool:
 
 
 def test_quickstart_serves_a_real_model_and_leaves_nothing_running(tmp_path):
-    link_port, admin_port = free_port(), free_port()
+    link_port, admin_port, gateway_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "LLMGW_HOME": str(tmp_path / "home"),
         "LLMGW_LINK_PORT": str(link_port),
         "LLMGW_ADMIN_PORT": str(admin_port),
+        "LLMGW_GATEWAY_PORT": str(gateway_port),
         "LLMGW_CONTEXT": str(tmp_path / "context.json"),
     }
     for run in (1, 2):  # the second run reuses the store, the secrets and the node
@@ -57,10 +58,12 @@ def test_quickstart_serves_a_real_model_and_leaves_nothing_running(tmp_path):
         assert "Ready" in result.stdout and "smollm2-cpu" in result.stdout, result.stdout
         answer = re.search(r"^A: (.+)$", result.stdout, re.MULTILINE)
         assert answer and answer.group(1).strip(), result.stdout
-        engine_port = int(re.search(r"engine at 127\.0\.0\.1:(\d+)", result.stdout).group(1))
         # Nothing left listening: the engine, the agent and the server were all stopped.
-        assert refused(link_port) and refused(admin_port) and refused(engine_port)
+        assert refused(link_port) and refused(admin_port) and refused(gateway_port) and refused(20000)
 
+    # One API key, made by the first run and reused by the second, kept 0600.
+    key_file = tmp_path / "home" / "api-key"
+    assert key_file.read_text().startswith("llmgw-") and (key_file.stat().st_mode & 0o777) == 0o600
     context = json.loads((tmp_path / "context.json").read_text())
     assert context["server"] == f"http://127.0.0.1:{admin_port}"
     server_log = (tmp_path / "home" / "logs" / "server.log").read_text()
