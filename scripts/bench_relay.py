@@ -17,7 +17,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from functools import partial
+from pathlib import Path
 
 import h11
 import trio
@@ -44,7 +46,13 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--requests", type=int, default=20000, help="stop after this many")
     parser.add_argument("--seconds", type=float, default=20.0, help="or after this long")
-    parser.add_argument("--role", choices=["engine", "gateway"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--full-path",
+        action="store_true",
+        help="the whole gateway path: API key check, quota reservation and settlement, admission"
+        " queue, routing, relay and a usage record written to a real store",
+    )
+    parser.add_argument("--role", choices=["engine", "gateway", "full-gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--engine-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "engine":
@@ -52,6 +60,8 @@ def main() -> None:
     elif args.role == "gateway":
         router = StaticRouter({"m": [Upstream("127.0.0.1", args.engine_port, "bench-key")]})
         trio.run(serve_and_say_port, partial(serve_gateway, router, "127.0.0.1", 0))
+    elif args.role == "full-gateway":
+        trio.run(serve_full_gateway, args.engine_port)
     else:
         run_benchmark(args)
 
@@ -63,14 +73,17 @@ def run_benchmark(args: argparse.Namespace) -> None:
     engine = spawn(["--role", "engine"], other_cores)
     try:
         engine_port = int(engine.stdout.readline())
-        gateway = spawn(["--role", "gateway", "--engine-port", str(engine_port)], gateway_cores)
+        role = "full-gateway" if args.full_path else "gateway"
+        gateway = spawn(["--role", role, "--engine-port", str(engine_port)], gateway_cores)
         try:
             gateway_port = int(gateway.stdout.readline())
+            # The full path's gateway hands out a real API key; the bare relay checks none.
+            key = gateway.stdout.readline().strip().encode() if args.full_path else b"client-key"
             os.sched_setaffinity(0, other_cores)
-            trio.run(load, gateway_port, 1, WARMUP_REQUESTS, args.seconds)
+            trio.run(load, gateway_port, key, 1, WARMUP_REQUESTS, args.seconds)
             for connections, count in ((1, min(args.requests, 2000)), (args.connections, args.requests)):
                 cpu_before = cpu_seconds(gateway.pid)
-                done, elapsed, latencies = trio.run(load, gateway_port, connections, count, args.seconds)
+                done, elapsed, latencies = trio.run(load, gateway_port, key, connections, count, args.seconds)
                 cpu = cpu_seconds(gateway.pid) - cpu_before
                 print(
                     f"{connections:3d} connections: {done} requests in {elapsed:.2f} s = {done / elapsed:,.0f}"
@@ -97,6 +110,33 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def serve_full_gateway(engine_port: int) -> None:
+    """The gateway with the control plane's gate: a real store (temporary), a tenant with
+    generous quotas (counted, never hit) and a key whose secret goes to the parent."""
+    from llmgw.core.quota import Limits
+    from llmgw.server.gate import ControlPlaneGate
+    from llmgw.server.store import AsyncStore
+    from llmgw.server.tenants import Tenants
+    from llmgw.server.usage import UsageRecorder
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        store = await AsyncStore.open(Path(data_dir))
+        try:
+            tenants = await Tenants.load(store)
+            await tenants.create_tenant("bench", Limits(rpm=10**9, tpm=10**12, tpd=10**13))
+            _, secret = await tenants.create_key("bench")
+            usage = UsageRecorder(store)
+            router = StaticRouter({"m": [Upstream("127.0.0.1", engine_port, "bench-key")]})
+            gate = ControlPlaneGate(tenants, router, capacity=lambda model: 1024, usage=usage)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(usage.run)
+                port = await nursery.start(partial(serve_gateway, router, "127.0.0.1", 0, gate=gate))
+                print(port, flush=True)
+                print(secret, flush=True)
+        finally:
+            await store.aclose()
 
 
 async def serve_and_say_port(serve) -> None:
@@ -126,7 +166,9 @@ async def serve_engine() -> None:
     await trio.serve_listeners(connection, listeners)
 
 
-async def load(port: int, connections: int, count: int, seconds: float) -> tuple[int, float, list[float]]:
+async def load(
+    port: int, key: bytes, connections: int, count: int, seconds: float
+) -> tuple[int, float, list[float]]:
     """Send up to `count` requests for up to `seconds` over `connections` keep-alive connections."""
     latencies: list[float] = []
     deadline = trio.current_time() + seconds
@@ -137,7 +179,7 @@ async def load(port: int, connections: int, count: int, seconds: float) -> tuple
             (b"host", b"gateway"),
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(REQUEST)),
-            (b"authorization", b"Bearer client-key"),
+            (b"authorization", b"Bearer " + key),
         ],
     )
 
