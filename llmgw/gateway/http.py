@@ -18,6 +18,7 @@ import trio
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.gate import Gate
 from llmgw.gateway.h11_stream import H11Stream
+from llmgw.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted, RequestRecord
 from llmgw.gateway.responder import Responder
 from llmgw.gateway.router import Router
@@ -29,6 +30,8 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 
 MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 MODELS_PATH = "/v1/models"
+# Prometheus text of the gateway, without a key (see gateway.metrics); 404 unless metrics are given.
+METRICS_PATH = "/metrics"
 
 _CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -40,25 +43,30 @@ async def serve_gateway(
     *,
     gate: Gate | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
+    metrics: GatewayMetrics | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the OpenAI API on host:port (0: any free port) until cancelled; reports the bound port."""
+    if metrics is not None:
+        on_done = _both(metrics.on_done, on_done)
     relay = Relay(router, gate=gate, on_done=on_done, upstream_timeout=upstream_timeout)
     listeners = await trio.open_tcp_listeners(port, host=host)
     try:
         task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(partial(_serve_connection, relay, max_body_bytes), listeners)
+        await trio.serve_listeners(partial(_serve_connection, relay, metrics, max_body_bytes), listeners)
     finally:
         with trio.CancelScope(shield=True):
             await relay.aclose()
 
 
-async def _serve_connection(relay: Relay, max_body_bytes: int, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    relay: Relay, metrics: GatewayMetrics | None, max_body_bytes: int, stream: trio.SocketStream
+) -> None:
     client = H11Stream(stream, h11.SERVER)
     try:
-        while await _serve_request(relay, max_body_bytes, client):
+        while await _serve_request(relay, metrics, max_body_bytes, client):
             client.conn.start_next_cycle()
     except _CLIENT_GONE:
         pass  # the client went away: nothing to tell anyone
@@ -70,7 +78,9 @@ async def _serve_connection(relay: Relay, max_body_bytes: int, stream: trio.Sock
         await client.aclose()
 
 
-async def _serve_request(relay: Relay, max_body_bytes: int, client: H11Stream) -> bool:
+async def _serve_request(
+    relay: Relay, metrics: GatewayMetrics | None, max_body_bytes: int, client: H11Stream
+) -> bool:
     """Answer one request; whether the connection can carry another."""
     responder = Responder(client)
     try:
@@ -80,6 +90,13 @@ async def _serve_request(relay: Relay, max_body_bytes: int, client: H11Stream) -
         assert type(request) is h11.Request, request  # h11 gives nothing else to a server here
         path = request.target.decode("ascii", "replace").partition("?")[0]
         method = request.method
+        if path == METRICS_PATH and method == b"GET" and metrics is not None:
+            await _read_body(client, request, max_body_bytes)  # a GET has none, but h11 must see its end
+            text = metrics.exposition()
+            responder.start(200, [(b"content-type", CONTENT_TYPE), (b"content-length", b"%d" % len(text))])
+            await responder.send(text)
+            await responder.end()
+            return client.reusable()
         if path in MODEL_PATHS and method != b"POST" or path == MODELS_PATH and method != b"GET":
             raise GatewayError(405, f"{method.decode()} is not allowed on {path}", code="method_not_allowed")
         if path not in MODEL_PATHS and path != MODELS_PATH:
@@ -126,6 +143,17 @@ async def _read_body(client: H11Stream, request: h11.Request, limit: int) -> byt
             return b"".join(parts)
         else:
             raise trio.BrokenResourceError(f"client connection ended mid-request: {event!r}")
+
+
+def _both(first: Callable[[RequestRecord], None], second: Callable[[RequestRecord], None] | None):
+    if second is None:
+        return first
+
+    def on_done(record: RequestRecord) -> None:
+        first(record)
+        second(record)
+
+    return on_done
 
 
 def _header(request: h11.Request, name: bytes) -> str | None:

@@ -24,11 +24,13 @@ from llmgw.core.liveness import Liveness
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.core.restart_policy import RestartPolicy
 from llmgw.gateway import serve_gateway
+from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server import tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.link import LinkListener
+from llmgw.server.metrics import EngineScraper
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
 from llmgw.server.routing import ReplicaRouter
@@ -88,6 +90,9 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         )
         router = ReplicaRouter(catalog, replicas, registry)
         gate = ControlPlaneGate(tenants, router, router.capacity, usage)
+        # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
+        scraper = EngineScraper(replicas, registry, slots=lambda record: _parallel(catalog, record.profile))
+        metrics = GatewayMetrics(gate=gate, engines=scraper)
         async with trio.open_nursery() as nursery:
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
@@ -103,9 +108,10 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             )
             nursery.start_soon(registry.run)
             nursery.start_soon(replicas.run)
+            nursery.start_soon(scraper.run)
             await nursery.start(usage.run)
             gateway_port = await nursery.start(
-                functools.partial(serve_gateway, router, gate=gate),
+                functools.partial(serve_gateway, router, gate=gate, metrics=metrics),
                 config.gateway.listen.host,
                 config.gateway.listen.port,
             )
@@ -127,6 +133,11 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             task_status.started(endpoints)
     finally:
         await store.aclose()
+
+
+def _parallel(catalog: Catalog, profile_name: str) -> int | None:
+    profile = catalog.profiles().get(profile_name)
+    return profile.parallel if profile is not None else None
 
 
 def reconcile_config(config: ServerConfig) -> ReconcileConfig:

@@ -1,0 +1,155 @@
+"""The gateway's own /metrics, in Prometheus text, through prometheus_client.
+
+Requests are counted from the relay's ``on_done(record)``, which runs on the hot path of every
+request: it does a handful of dict lookups and increments, nothing that grows with traffic. The
+labelled children are cached per (model, status) because prometheus_client's ``labels()`` checks
+and joins its arguments on every call.
+
+Queue depth and the engines' load are not pushed: they are read when /metrics is scraped, from the
+gate's queues and the engine scraper (gauges that always show the present, at no cost per request).
+
+/metrics needs no key on the gateway port: scrapers (Prometheus, the agent of a monitoring stack)
+rarely hold a bearer token, and the text carries model names, replica ids and counts only — no
+tenant, key, prompt or address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from llmgw.gateway.relay import RequestRecord
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
+
+# Whole-request latency of LLM calls: tens of ms for an embedding up to minutes for a long answer.
+DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# The model label comes from the client's body. Past this many distinct values further ones are
+# counted as OTHER_MODEL, so that no client can grow the exposition without bound.
+MAX_MODEL_LABELS = 256
+# Requests with no model, or one the gateway does not serve (400 or 404 before any routing).
+NO_MODEL = "-"
+OTHER_MODEL = "other"
+# The answer was cut after it began (engine failed, or client left): no status describes it.
+INCOMPLETE = "incomplete"
+
+
+class QueueDepths(Protocol):
+    """server.gate.ControlPlaneGate, as seen here."""
+
+    def queue_depths(self) -> Mapping[str, Mapping[int, int]]: ...
+
+
+class EngineSamples(Protocol):
+    """server.metrics.EngineScraper, as seen here: samples with model, running, waiting, saturation."""
+
+    def snapshot(self) -> Mapping[str, Any]: ...
+
+
+class GatewayMetrics:
+    def __init__(self, *, gate: QueueDepths | None = None, engines: EngineSamples | None = None) -> None:
+        # A registry of its own: tests (and two gateways in one process) do not share counters.
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter(
+            "llmgw_requests", "Model requests answered, by model and HTTP status",
+            ["model", "status"], registry=self.registry,
+        )  # fmt: skip
+        self._duration = Histogram(
+            "llmgw_request_duration_seconds", "Time from request to the answer's end, by model",
+            ["model"], buckets=DURATION_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._tokens = Counter(
+            "llmgw_tokens", "Tokens the engines reported, by model and direction (prompt or completion)",
+            ["model", "direction"], registry=self.registry,
+        )  # fmt: skip
+        self._upstream_errors = Counter(
+            "llmgw_upstream_errors", "Requests an engine failed: unreachable (502), timed out (504) or 5xx",
+            ["model"], registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_LiveGauges(gate, engines))
+        self._models: dict[str | None, str] = {None: NO_MODEL}
+        self._by_status: dict[tuple[str, int, bool], Any] = {}
+        self._by_model: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+    def on_done(self, record: RequestRecord) -> None:
+        """Count one finished request (the relay's on_done hook): O(1), never raises on odd input."""
+        model = self._model_label(record)
+        status = record.status
+        key = (model, status, record.completed)
+        counter = self._by_status.get(key)
+        if counter is None:
+            label = str(status) if record.completed else INCOMPLETE
+            counter = self._by_status[key] = self._requests.labels(model, label)
+        counter.inc()
+        children = self._by_model.get(model)
+        if children is None:
+            children = self._by_model[model] = (
+                self._duration.labels(model),
+                self._tokens.labels(model, "prompt"),
+                self._tokens.labels(model, "completion"),
+                self._upstream_errors.labels(model),
+            )
+        duration, prompt, completion, upstream_errors = children
+        duration.observe(max(0.0, record.finished - record.started))
+        if record.usage is not None:
+            prompt.inc(record.usage.prompt_tokens)
+            completion.inc(record.usage.completion_tokens)
+        if status in (502, 504) or record.upstream is not None and status >= 500:
+            upstream_errors.inc()
+
+    def _model_label(self, record: RequestRecord) -> str:
+        # A 404 with a model means the model is not served: its name is the client's invention.
+        name = record.model if record.status != 404 else None
+        label = self._models.get(name)
+        if label is not None:
+            return label
+        if len(self._models) > MAX_MODEL_LABELS:
+            return OTHER_MODEL  # not remembered either: the table stays bounded
+        self._models[name] = name
+        return name
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveGauges:
+    """Gauges read at scrape time: the admission queues and the engines' load."""
+
+    def __init__(self, gate: QueueDepths | None, engines: EngineSamples | None) -> None:
+        self._gate = gate
+        self._engines = engines
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families()
+
+    def _families(self) -> list[Metric]:
+        queue = GaugeMetricFamily(
+            "llmgw_queue_depth", "Requests waiting for room at the gateway, by model and band",
+            labels=["model", "band"],
+        )  # fmt: skip
+        if self._gate is not None:
+            for model, bands in sorted(self._gate.queue_depths().items()):
+                for band, depth in sorted(bands.items()):
+                    queue.add_metric([model, str(band)], depth)
+        running = _engine_family("running", "Requests the engine is generating")
+        waiting = _engine_family("waiting", "Requests the engine queued for lack of room")
+        saturation = _engine_family("saturation", "Engine fill, 0 idle to 1 full (KV cache or slots)")
+        if self._engines is not None:
+            for replica, sample in sorted(self._engines.snapshot().items()):
+                labels = [replica, sample.model]
+                running.add_metric(labels, sample.running)
+                waiting.add_metric(labels, sample.waiting)
+                if sample.saturation is not None:  # unknown is left out, not shown as 0
+                    saturation.add_metric(labels, sample.saturation)
+        return [queue, running, waiting, saturation]
+
+
+def _engine_family(what: str, help_text: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"llmgw_engine_{what}", f"{help_text}, by replica", labels=["replica", "model"])
