@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import attrs
 import trio
 
+from llmgw.core.catalog import Profile
 from llmgw.core.keys import engine_key
 from llmgw.core.liveness import NodeState
 from llmgw.core.placement import ClusterView, GpuView, NodeView
@@ -42,6 +43,7 @@ from llmgw.core.reconcile import (
     reconcile,
 )
 from llmgw.core.replica import Replica, ReplicaShard, ReplicaState, state_of_shards
+from llmgw.core.scaling import LoadSignals, ScaleState, desired_replicas
 from llmgw.core.shard import Fabric, ShardSpec
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
@@ -66,12 +68,16 @@ class ReplicaManager:
         engine_secret: bytes | None,
         config: ReconcileConfig | None = None,
         on_pass: Callable[[], None] | None = None,
+        signals: Callable[[Profile, list[Replica]], LoadSignals] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
         self._engine_secret = engine_secret
         self._config = config or ReconcileConfig()
         self._on_pass = on_pass  # told after every pass (the gateway's admission: capacity changed)
+        # A profile's load (gateway queue, engines' metrics) for scaling; None: each profile's min.
+        self._signals = signals
+        self._wanted: dict[str, tuple[int, ScaleState]] = {}  # per profile: count and its history
         self._records: dict[str, Replica] = {}
         # Per shard: the node's registration count when its start was answered. A shard missing
         # from a later registration's list is gone (the agent restarted without it).
@@ -139,7 +145,7 @@ class ReplicaManager:
             profiles=self._catalog.profiles(),
             replicas=self._records.values(),
             cluster=cluster_view(self._registry.list()),
-            desired={},  # each profile's min_replicas, until load signals feed scaling
+            desired=self._desired(now),
             now=now,
             config=self._config,
             new_id=lambda: f"r-{secrets.token_hex(4)}",
@@ -154,6 +160,21 @@ class ReplicaManager:
             self._on_pass()
 
     # --- inputs --------------------------------------------------------------------------------
+
+    def _desired(self, now: float) -> dict[str, int]:
+        """How many replicas each profile wants, between its min and max, from its load."""
+        if self._signals is None:
+            return {}
+        wanted = {}
+        for name, profile in self._catalog.profiles().items():
+            current, state = self._wanted.get(name, (profile.min_replicas, ScaleState()))
+            records = [record for record in self._records.values() if record.profile == name]
+            decision = desired_replicas(profile, current, self._signals(profile, records), state, now)
+            if decision.count != current:
+                log.info("scale %s from %d to %d: %s", name, current, decision.count, decision.reason)
+            self._wanted[name] = (decision.count, decision.state)
+            wanted[name] = decision.count
+        return wanted
 
     def _reported(self) -> list[ReportedShard]:
         return [

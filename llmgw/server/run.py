@@ -20,9 +20,12 @@ import trio
 
 from llmgw.config import ServerConfig
 from llmgw.core import keys
+from llmgw.core.catalog import Profile
 from llmgw.core.liveness import Liveness
 from llmgw.core.reconcile import ReconcileConfig
+from llmgw.core.replica import Replica, ReplicaState
 from llmgw.core.restart_policy import RestartPolicy
+from llmgw.core.scaling import LoadSignals
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server import tokens
@@ -80,13 +83,22 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         usage = UsageRecorder(store)
         # The gateway's router and gate read the replicas; the replicas tell the gate after each
         # pass, since a replica that became Ready (or went) changes how much may be admitted.
+        # The replicas scale on the load the gate and the scraper see (made just below).
         gate: ControlPlaneGate | None = None
+        scraper: EngineScraper | None = None
+
+        def load_of(profile: Profile, records: list[Replica]) -> LoadSignals:
+            queued = sum((gate.queue_depths().get(profile.model) or {}).values()) if gate else 0
+            loads = [scraper.load(r.id) for r in records if r.state == ReplicaState.READY] if scraper else []
+            return LoadSignals(queue_depth=queued, replicas=tuple(load for load in loads if load is not None))
+
         replicas = ReplicaManager(
             registry,
             catalog,
             engine_secret,
             reconcile_config(config),
             on_pass=lambda: gate and gate.redispatch(),
+            signals=load_of,
         )
         router = ReplicaRouter(catalog, replicas, registry)
         gate = ControlPlaneGate(tenants, router, router.capacity, usage)

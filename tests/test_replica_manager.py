@@ -1,0 +1,65 @@
+"""The reconciler's shell: how it turns load into each profile's wanted count."""
+
+from __future__ import annotations
+
+from llmgw.core.catalog import Profile
+from llmgw.core.scaling import EngineLoad, LoadSignals, ScalePolicy
+from llmgw.server.replicas import ReplicaManager
+
+POLICY = ScalePolicy()
+
+
+class Catalog:
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def profiles(self) -> dict[str, Profile]:
+        return {self.profile.name: self.profile}
+
+
+def profile(**changes) -> Profile:
+    base = dict(
+        name="chat",
+        model="m",
+        engine="llamacpp",
+        gpu_class=None,
+        memory_mib=512,
+        min_replicas=1,
+        max_replicas=3,
+    )
+    return Profile(**{**base, **changes})
+
+
+def manager(load: LoadSignals, p: Profile) -> ReplicaManager:
+    return ReplicaManager(
+        registry=None, catalog=Catalog(p), engine_secret=None, signals=lambda prof, records: load
+    )
+
+
+def test_without_signals_each_profile_wants_its_min():
+    m = ReplicaManager(registry=None, catalog=Catalog(profile()), engine_secret=None)
+    assert m._desired(now=0.0) == {}  # the reconciler then uses min_replicas
+
+
+def test_sustained_load_adds_a_replica_and_idleness_removes_it_after_the_cooldowns():
+    busy = LoadSignals(queue_depth=100, replicas=(EngineLoad(running=4, waiting=4, saturation=1.0),))
+    m = manager(busy, profile())
+    assert m._desired(now=0.0) == {"chat": 1}  # high, but not for long enough yet
+    assert m._desired(now=POLICY.up_after + 1) == {"chat": 2}
+    assert m._desired(now=POLICY.up_after + 2) == {"chat": 2}  # the up cooldown holds it
+    m._signals = lambda prof, records: LoadSignals(
+        replicas=(EngineLoad(running=0, waiting=0, saturation=0.0),) * 2
+    )
+    start = POLICY.up_after + 3
+    assert m._desired(now=start) == {"chat": 2}
+    later = start + max(POLICY.down_after, POLICY.down_cooldown) + 1
+    assert m._desired(now=later) == {"chat": 1}
+    assert m._desired(now=later + 10 * POLICY.down_cooldown) == {"chat": 1}  # never below min
+
+
+def test_the_wanted_count_follows_a_changed_min_and_max():
+    idle = LoadSignals()
+    m = manager(idle, profile(min_replicas=2, max_replicas=2))
+    assert m._desired(now=0.0) == {"chat": 2}
+    m._catalog.profile = profile(min_replicas=0, max_replicas=0)  # ctl scale --replicas 0
+    assert m._desired(now=1.0) == {"chat": 0}
