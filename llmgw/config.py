@@ -249,6 +249,9 @@ class GatewayConfig:
     """The OpenAI-compatible endpoint clients call with their API keys."""
 
     listen: Address = Address(host="127.0.0.1", port=8080)
+    # Time to first token a request should not exceed; each one above counts as an SLO violation
+    # (llmgw_ttft_slo_violations_total on the gateway's /metrics).
+    ttft_target: Duration = 2.0
 
 
 @attrs.frozen(kw_only=True)

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.core.replica import Replica, ReplicaShard, ReplicaState
 from llmgw.core.scaling import EngineLoad
-from llmgw.gateway import Upstream
+from llmgw.gateway import RequestRecord, Upstream
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server.metrics import EngineSample, EngineScraper, parse_engine_metrics
@@ -316,3 +316,17 @@ async def test_gateway_metrics_count_requests_tokens_errors_and_show_queues_and_
 async def test_metrics_path_is_404_when_the_gateway_has_no_metrics(nursery):
     gateway = await Gateway().start(nursery, {})
     assert (await gateway.call("GET", "/metrics"))[0] == 404
+
+
+def test_time_to_first_token_is_observed_and_slow_ones_count_as_slo_violations():
+    metrics = GatewayMetrics(ttft_target=1.0)
+    for first_byte in (0.2, 0.9, 1.5, 3.0, None):  # None: refused before any byte went out
+        record = RequestRecord(
+            path="/v1/chat/completions", started=10.0, model="m", status=200, completed=True
+        )
+        record.first_byte = None if first_byte is None else 10.0 + first_byte
+        record.finished = 14.0
+        metrics.on_done(record)
+    text = metrics.exposition().decode()
+    assert 'llmgw_ttft_slo_violations_total{model="m"} 2.0' in text
+    assert 'llmgw_time_to_first_token_seconds_count{model="m"} 4.0' in text

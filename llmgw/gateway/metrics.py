@@ -27,6 +27,9 @@ from llmgw.gateway.relay import RequestRecord
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
 
 # Whole-request latency of LLM calls: tens of ms for an embedding up to minutes for a long answer.
+# The time to first token a request should not exceed (gateway.ttft_target in server.yaml);
+# each one above it counts as an SLO violation.
+TTFT_TARGET = 2.0
 DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # The model label comes from the client's body. Past this many distinct values further ones are
 # counted as OTHER_MODEL, so that no client can grow the exposition without bound.
@@ -51,7 +54,14 @@ class EngineSamples(Protocol):
 
 
 class GatewayMetrics:
-    def __init__(self, *, gate: QueueDepths | None = None, engines: EngineSamples | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        gate: QueueDepths | None = None,
+        engines: EngineSamples | None = None,
+        ttft_target: float = TTFT_TARGET,
+    ) -> None:
+        self._ttft_target = ttft_target
         # A registry of its own: tests (and two gateways in one process) do not share counters.
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests = Counter(
@@ -68,6 +78,14 @@ class GatewayMetrics:
         )  # fmt: skip
         self._upstream_errors = Counter(
             "llmgw_upstream_errors", "Requests an engine failed: unreachable (502), timed out (504) or 5xx",
+            ["model"], registry=self.registry,
+        )  # fmt: skip
+        self._ttft = Histogram(
+            "llmgw_time_to_first_token_seconds", "Time from request to the answer's first bytes, by model",
+            ["model"], buckets=DURATION_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._slo_violations = Counter(
+            "llmgw_ttft_slo_violations", "Requests whose first token took longer than the target, by model",
             ["model"], registry=self.registry,
         )  # fmt: skip
         self.registry.register(_LiveGauges(gate, engines))
@@ -92,14 +110,21 @@ class GatewayMetrics:
                 self._tokens.labels(model, "prompt"),
                 self._tokens.labels(model, "completion"),
                 self._upstream_errors.labels(model),
+                self._ttft.labels(model),
+                self._slo_violations.labels(model),
             )
-        duration, prompt, completion, upstream_errors = children
+        duration, prompt, completion, upstream_errors, ttft, violations = children
         duration.observe(max(0.0, record.finished - record.started))
         if record.usage is not None:
             prompt.inc(record.usage.prompt_tokens)
             completion.inc(record.usage.completion_tokens)
         if status in (502, 504) or record.upstream is not None and status >= 500:
             upstream_errors.inc()
+        if record.first_byte is not None:
+            waited = record.first_byte - record.started
+            ttft.observe(waited)
+            if waited > self._ttft_target:
+                violations.inc()
 
     def _model_label(self, record: RequestRecord) -> str:
         # A 404 with a model means the model is not served: its name is the client's invention.

@@ -51,6 +51,9 @@ class RequestRecord:
     usage: Usage | None = None
     completed: bool = False  # the whole answer reached the client
     finished: float = 0.0
+    # When the answer's first body bytes went to the client: a stream's first token, or the
+    # whole of a non-streaming answer. None if none went.
+    first_byte: float | None = None
 
 
 class RelayAborted(Exception):
@@ -191,11 +194,13 @@ class Relay:
                 if waited.cancelled_caught:
                     raise RelayAborted("engine went silent mid-answer")
                 if type(event) is h11.Data:
+                    data = event.data if events is None else events.feed(event.data)
                     if events is None:
-                        parts.append(event.data)
-                        await client.send(event.data)
-                    elif data := events.feed(event.data):
+                        parts.append(data)
+                    if data:
                         await client.send(data)
+                        if record.first_byte is None:
+                            record.first_byte = trio.current_time()
                 elif type(event) is h11.EndOfMessage:
                     break
                 elif type(event) is h11.ConnectionClosed:

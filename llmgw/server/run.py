@@ -104,7 +104,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         gate = ControlPlaneGate(tenants, router, router.capacity, usage)
         # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
         scraper = EngineScraper(replicas, registry, slots=lambda record: _parallel(catalog, record.profile))
-        metrics = GatewayMetrics(gate=gate, engines=scraper)
+        metrics = GatewayMetrics(gate=gate, engines=scraper, ttft_target=config.gateway.ttft_target)
         async with trio.open_nursery() as nursery:
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
