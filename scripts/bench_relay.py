@@ -37,6 +37,15 @@ ANSWER = json.dumps(
 ).encode()
 REQUEST = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 WARMUP_REQUESTS = 500
+STREAM_REQUEST = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, separators=(",", ":")
+).encode()
+STREAM_CHUNKS = 100  # events per streamed answer, each its own write
+STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
+CHUNK = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+)
+USAGE_EVENT = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":100,"total_tokens":103}}\n\n'
 
 
 def main() -> None:
@@ -90,6 +99,23 @@ def run_benchmark(args: argparse.Namespace) -> None:
                     f" req/s; gateway CPU {cpu / done * 1e6:,.0f} µs/request;"
                     f" latency p50 {statistics.median(latencies) * 1e3:.2f} ms"
                 )
+            # Streaming: the gateway's cost per relayed chunk (its per-request cost included).
+            count = min(args.requests, 500)
+            cpu_before = cpu_seconds(gateway.pid)
+            done, elapsed, _ = trio.run(load, gateway_port, key, 8, count, args.seconds, STREAM_REQUEST)
+            cpu = cpu_seconds(gateway.pid) - cpu_before
+            print(
+                f"  streaming: {done} answers of {STREAM_CHUNKS} chunks in {elapsed:.2f} s;"
+                f" gateway CPU {cpu / (done * STREAM_CHUNKS) * 1e6:,.1f} µs/chunk"
+            )
+            # What the gateway adds to one request's latency: the same load straight at the engine.
+            _, _, direct = trio.run(load, engine_port, b"bench-key", 1, 2000, args.seconds)
+            _, _, relayed = trio.run(load, gateway_port, key, 1, 2000, args.seconds)
+            added = statistics.median(relayed) - statistics.median(direct)
+            print(
+                f"  latency at 1 connection: engine alone p50 {statistics.median(direct) * 1e3:.2f} ms,"
+                f" through the gateway {statistics.median(relayed) * 1e3:.2f} ms: +{added * 1e3:.2f} ms"
+            )
             print(f"cores: gateway {sorted(gateway_cores)}, engine and client {sorted(other_cores)}")
         finally:
             gateway.kill()
@@ -154,9 +180,17 @@ async def serve_engine() -> None:
         )
         try:
             while type(await engine.next_event()) is h11.Request:
-                while type(await engine.next_event()) is not h11.EndOfMessage:
-                    pass
-                await engine.send(head, h11.Data(data=ANSWER), h11.EndOfMessage())
+                body = b""
+                while type(event := await engine.next_event()) is not h11.EndOfMessage:
+                    body += event.data
+                if b'"stream":true' in body:
+                    # One write per event, as an engine sends tokens: the gateway sees each chunk.
+                    await engine.send(h11.Response(status_code=200, headers=STREAM_HEADERS))
+                    for _ in range(STREAM_CHUNKS):
+                        await engine.send(h11.Data(data=CHUNK))
+                    await engine.send(h11.Data(data=USAGE_EVENT + b"data: [DONE]\n\n"), h11.EndOfMessage())
+                else:
+                    await engine.send(head, h11.Data(data=ANSWER), h11.EndOfMessage())
                 engine.conn.start_next_cycle()
         except trio.BrokenResourceError:
             pass
@@ -167,7 +201,7 @@ async def serve_engine() -> None:
 
 
 async def load(
-    port: int, key: bytes, connections: int, count: int, seconds: float
+    port: int, key: bytes, connections: int, count: int, seconds: float, body: bytes = REQUEST
 ) -> tuple[int, float, list[float]]:
     """Send up to `count` requests for up to `seconds` over `connections` keep-alive connections."""
     latencies: list[float] = []
@@ -178,7 +212,7 @@ async def load(
         headers=[
             (b"host", b"gateway"),
             (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(REQUEST)),
+            (b"content-length", b"%d" % len(body)),
             (b"authorization", b"Bearer " + key),
         ],
     )
@@ -188,7 +222,7 @@ async def load(
         try:
             while len(latencies) < count and trio.current_time() < deadline:
                 sent = trio.current_time()
-                await http.send(request, h11.Data(data=REQUEST), h11.EndOfMessage())
+                await http.send(request, h11.Data(data=body), h11.EndOfMessage())
                 response = await http.next_event()
                 assert type(response) is h11.Response and response.status_code == 200, response
                 while type(await http.next_event()) is not h11.EndOfMessage:
