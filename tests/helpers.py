@@ -17,6 +17,8 @@ from llmgw.server.nodes import NodeRegistry
 from llmgw.server.store import AsyncStore
 from llmgw.wire.messages import Inventory
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
 # Generous: the suite must pass on a loaded 2-core machine. A condition that holds returns at once.
 DEADLINE = 20.0
 
@@ -84,3 +86,39 @@ def make_agent(name: str, port: int, token: str, *, max_delay: float = 0.5) -> A
         max_delay=max_delay,
         rng=random.Random(name),
     )
+
+
+async def kill_9_after(script: Path, args: list[str], marker: bytes) -> bytes:
+    """Runs a Python script as a child in its own session, reads its output until ``marker``
+    appears, SIGKILLs it (by pid) and returns what it printed. The child is killed even if the
+    test fails on the way."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = str(PROJECT_ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, str(script), *args], stdout=subprocess.PIPE, env=env, start_new_session=True
+    )
+    try:
+        output = b""
+        with trio.fail_after(30):
+            while marker not in output:
+                chunk = await proc.stdout.receive_some()
+                if not chunk:
+                    raise AssertionError(
+                        f"child exited before {marker!r} (rc={await proc.wait()}): {output!r}"
+                    )
+                output += chunk
+        os.kill(proc.pid, signal.SIGKILL)
+        with trio.fail_after(10):
+            assert await proc.wait() == -signal.SIGKILL
+        return output
+    finally:
+        if proc.returncode is None:
+            with trio.CancelScope(shield=True):
+                os.kill(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        await proc.stdout.aclose()

@@ -1,16 +1,11 @@
-import os
-import signal
 import sqlite3
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import apsw
 import pytest
 import trio
 
-import llmgw
 from llmgw.server.store import (
     DB_FILENAME,
     MIGRATIONS,
@@ -24,9 +19,9 @@ from llmgw.server.store import (
     TenantRow,
     UsageRecord,
 )
+from tests.helpers import kill_9_after
 
 CHILD = Path(__file__).with_name("store_writer_child.py")
-PROJECT_ROOT = Path(llmgw.__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -339,31 +334,7 @@ async def test_reader_cannot_write_and_errors_are_store_errors(data_dir: Path):
 
 @pytest.mark.slow
 async def test_committed_write_survives_kill_9(data_dir: Path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(CHILD), str(data_dir)], stdout=subprocess.PIPE, env=env, start_new_session=True
-    )
-    try:
-        output = b""
-        with trio.fail_after(30):
-            while b"committed\n" not in output:
-                chunk = await proc.stdout.receive_some()
-                if not chunk:
-                    raise AssertionError(f"child exited before committing (rc={await proc.wait()})")
-                output += chunk
-
-        os.kill(proc.pid, signal.SIGKILL)
-        with trio.fail_after(10):
-            assert await proc.wait() == -signal.SIGKILL
-    finally:
-        if proc.returncode is None:
-            with trio.CancelScope(shield=True):
-                os.kill(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        await proc.stdout.aclose()
+    await kill_9_after(CHILD, [str(data_dir)], b"committed\n")
 
     # The row must come back from the WAL the killed process left behind, not from a checkpoint.
     wal = data_dir / (DB_FILENAME + "-wal")

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import trio
 
-import llmgw
 from llmgw.server.store import AsyncStore, Store, StoreError, UsageRecord
 from llmgw.server.usage import UsageRecorder, parse_group_by, parse_time
+from tests.helpers import kill_9_after
 
 CHILD = Path(__file__).with_name("usage_writer_child.py")
-PROJECT_ROOT = Path(llmgw.__file__).resolve().parents[1]
 
 DAY1 = datetime(2026, 11, 1, 12, tzinfo=UTC).timestamp()
 DAY2 = datetime(2026, 11, 2, 9, tzinfo=UTC).timestamp()
@@ -155,30 +150,7 @@ async def test_max_pending_must_hold_a_batch(store: AsyncStore):
 @pytest.mark.slow
 async def test_kill_9_loses_only_the_unflushed_window(tmp_path: Path):
     data_dir = tmp_path / "data"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(CHILD), str(data_dir)], stdout=subprocess.PIPE, env=env, start_new_session=True
-    )
-    try:
-        output = b""
-        with trio.fail_after(30):
-            while b"recorded\n" not in output:
-                chunk = await proc.stdout.receive_some()
-                if not chunk:
-                    raise AssertionError(f"child exited early (rc={await proc.wait()}): {output!r}")
-                output += chunk
-        os.kill(proc.pid, signal.SIGKILL)
-        with trio.fail_after(10):
-            assert await proc.wait() == -signal.SIGKILL
-    finally:
-        if proc.returncode is None:
-            with trio.CancelScope(shield=True):
-                os.kill(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        await proc.stdout.aclose()
+    await kill_9_after(CHILD, [str(data_dir)], b"recorded\n")
 
     store = await AsyncStore.open(data_dir)
     try:
