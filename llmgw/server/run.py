@@ -100,7 +100,9 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             on_pass=lambda: gate and gate.redispatch(),
             signals=load_of,
         )
-        router = ReplicaRouter(catalog, replicas, registry)
+        router = ReplicaRouter(
+            catalog, replicas, registry, load=lambda rid: scraper.load(rid) if scraper else None
+        )
         gate = ControlPlaneGate(tenants, router, router.capacity, usage)
         # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
         scraper = EngineScraper(replicas, registry, slots=lambda record: _parallel(catalog, record.profile))
