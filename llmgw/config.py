@@ -522,7 +522,12 @@ def _make_converter() -> cattrs.Converter:
     # The catalog's types live in the pure core, which knows seconds, not "10m".
     conv.register_structure_hook(
         Profile,
-        _section_hook(conv, Profile, startup_timeout=override(struct_hook=lambda v, _t: parse_duration(v))),
+        _section_hook(
+            conv,
+            Profile,
+            startup_timeout=override(struct_hook=lambda v, _t: parse_duration(v)),
+            ttft_target=override(struct_hook=lambda v, _t: None if v is None else parse_duration(v)),
+        ),
     )
     # Annotated types are not classes, so they are matched by equality (which compares the marker).
     for marker, hook in [

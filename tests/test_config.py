@@ -803,7 +803,7 @@ MODEL = "models:\n  m: {path: org/m, format: safetensors}\n"
         (MODEL + PROFILE + "    gpus: 2\n", "server.yaml: profiles.chat.gpus: unknown key (expected one of: model, "
          "engine, gpu_class, gpus_per_node, nodes, tensor_parallel, pipeline_parallel, memory_mib, cpu_cores, "
          "launcher, flags, adapters, ctx_size, parallel, dtype, quantization, min_replicas, max_replicas, band, "
-         "startup_timeout, spread)"),
+         "startup_timeout, ttft_target, spread)"),
         (MODEL + PROFILE, "server.yaml: profiles.chat.memory_mib: required option is missing"),
         (
             MODEL + "profiles:\n  chat: {model: m, engine: llamacpp, memory_mib: 1}\n",

@@ -330,3 +330,16 @@ def test_time_to_first_token_is_observed_and_slow_ones_count_as_slo_violations()
     text = metrics.exposition().decode()
     assert 'llmgw_ttft_slo_violations_total{model="m"} 2.0' in text
     assert 'llmgw_time_to_first_token_seconds_count{model="m"} 4.0' in text
+
+
+def test_a_models_own_ttft_target_wins_over_the_gateways():
+    metrics = GatewayMetrics(ttft_target=10.0, ttft_targets=lambda model: 0.5 if model == "strict" else None)
+    for model in ("strict", "lax"):
+        record = RequestRecord(
+            path="/v1/chat/completions", started=0.0, model=model, status=200, completed=True
+        )
+        record.first_byte, record.finished = 1.0, 2.0
+        metrics.on_done(record)
+    text = metrics.exposition().decode()
+    assert 'llmgw_ttft_slo_violations_total{model="strict"} 1.0' in text
+    assert 'llmgw_ttft_slo_violations_total{model="lax"} 0.0' in text

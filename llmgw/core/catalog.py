@@ -61,6 +61,8 @@ class Profile:
     max_replicas: int = 1
     band: int = 0  # priority band, higher wins; below 0 is allowed, for work that yields to all
     startup_timeout: float = 600.0  # seconds from start until the engine serves the model
+    # Time to first token its requests should not exceed (seconds); None: the gateway's default.
+    ttft_target: float | None = None
     # Placement's score: False packs replicas onto the fullest nodes that fit, keeping whole
     # nodes free for large profiles; True spreads them over the emptiest.
     spread: bool = False
@@ -148,6 +150,8 @@ def _bounds(profile: Profile) -> list[tuple[str, str]]:
             reasons.append((field, f"must be at least 1 when set, not {value}"))
     if not profile.startup_timeout > 0:
         reasons.append(("startup_timeout", f"must be above 0 seconds, not {profile.startup_timeout}"))
+    if profile.ttft_target is not None and not profile.ttft_target > 0:
+        reasons.append(("ttft_target", f"must be above 0 seconds, not {profile.ttft_target}"))
     return reasons
 
 

@@ -15,7 +15,7 @@ tenant, key, prompt or address.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -60,8 +60,11 @@ class GatewayMetrics:
         gate: QueueDepths | None = None,
         engines: EngineSamples | None = None,
         ttft_target: float = TTFT_TARGET,
+        ttft_targets: Callable[[str], float | None] | None = None,
     ) -> None:
         self._ttft_target = ttft_target
+        # A model's own target (its profile's ttft_target), when it has one.
+        self._ttft_targets = ttft_targets
         # A registry of its own: tests (and two gateways in one process) do not share counters.
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests = Counter(
@@ -123,7 +126,8 @@ class GatewayMetrics:
         if record.first_byte is not None:
             waited = record.first_byte - record.started
             ttft.observe(waited)
-            if waited > self._ttft_target:
+            own = self._ttft_targets(model) if self._ttft_targets is not None else None
+            if waited > (own or self._ttft_target):
                 violations.inc()
 
     def _model_label(self, record: RequestRecord) -> str:

@@ -106,7 +106,12 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         gate = ControlPlaneGate(tenants, router, router.capacity, usage)
         # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
         scraper = EngineScraper(replicas, registry, slots=lambda record: _parallel(catalog, record.profile))
-        metrics = GatewayMetrics(gate=gate, engines=scraper, ttft_target=config.gateway.ttft_target)
+        metrics = GatewayMetrics(
+            gate=gate,
+            engines=scraper,
+            ttft_target=config.gateway.ttft_target,
+            ttft_targets=lambda model: _ttft_target(catalog, model),
+        )
         async with trio.open_nursery() as nursery:
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
@@ -152,6 +157,12 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
 def _parallel(catalog: Catalog, profile_name: str) -> int | None:
     profile = catalog.profiles().get(profile_name)
     return profile.parallel if profile is not None else None
+
+
+def _ttft_target(catalog: Catalog, model: str) -> float | None:
+    """The strictest time-to-first-token target among the profiles serving ``model``."""
+    targets = [p.ttft_target for p in catalog.profiles().values() if p.model == model and p.ttft_target]
+    return min(targets) if targets else None
 
 
 def reconcile_config(config: ServerConfig) -> ReconcileConfig:
