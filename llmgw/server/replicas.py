@@ -89,7 +89,6 @@ class ReplicaManager:
         self._kick = trio.Event()
         self._due: set[float] = set()  # wall-clock times a restart comes due (MarkFailed)
         self._nursery: trio.Nursery | None = None
-        self.passes = 0
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -151,7 +150,6 @@ class ReplicaManager:
             new_id=lambda: f"r-{secrets.token_hex(4)}",
             reported=self._reported(),
         )
-        self.passes += 1
         self._records = {record.id: record for record in plan.replicas}
         self._candidates = {rid: why for rid, why in self._candidates.items() if rid in self._records}
         for action in plan.actions:
