@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import ssl
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ import attrs
 import trio
 
 from llmgw import __version__
+from llmgw.config import NODE_NAME
 from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
 from llmgw.server.nodes import NodeRegistry
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 # How long a closing session tries to deliver its Goodbye before dropping the connection.
 GOODBYE_GRACE = 1.0
-NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 
 
 @attrs.define
@@ -154,7 +153,7 @@ class LinkListener:
         register = await self._handshake(link, peer)
         if register is None:
             return
-        if not NODE_NAME.match(register.node):
+        if not NODE_NAME.fullmatch(register.node):
             log.warning("refused agent at %s: invalid node name %r", peer, register.node)
             await link.send(Goodbye(reason=f"invalid node name {register.node!r}"))
             return
