@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import quote, urlencode
 
 from llmgw.config import ConfigError, converter, parse_catalog_file
-from llmgw.ctl import engine_check, render
+from llmgw.ctl import bench, engine_check, render
 from llmgw.ctl.client import AdminClient, CtlError
 from llmgw.ctl.context import context_path, resolve, save_context
 
@@ -168,6 +168,7 @@ def add_ctl_parser(subparsers) -> None:
     _add_tenant_parsers(commands)
     # Needs no server: it checks the engines installed on this machine.
     engine_check.add_parser(commands, _add)
+    bench.add_parser(commands, _add, _client)
 
     context = commands.add_parser(
         "context",
