@@ -372,3 +372,34 @@ async def test_the_gate_authenticates_admits_and_settles(nursery):
     [(ticket, record)] = gate.finished
     assert ticket == ("ticket", "good") and record.usage == Usage(3, 5, 8) and record.status == 200
     assert len(engine.seen) == 1  # nothing refused reached the engine
+
+
+async def test_a_kept_alive_connection_the_engine_closed_is_replaced_not_a_502(nursery):
+    """llama.cpp closes a connection after a streamed answer without saying so: the next request
+    on the pooled connection meets a close before any byte of answer. The engine never read it,
+    so it goes again on a fresh connection instead of failing with 502."""
+    connections = 0
+
+    async def one_answer_per_connection(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        engine = H11Stream(stream, h11.SERVER)
+        request = await engine.next_event()
+        assert type(request) is h11.Request
+        while type(await engine.next_event()) is not h11.EndOfMessage:
+            pass
+        await json_reply(engine, {})
+        # Then the next request arrives on this connection, and the engine hangs up on it without
+        # a byte of answer (and without having said "Connection: close").
+        engine.conn.start_next_cycle()
+        await engine.next_event()
+        await engine.aclose()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, one_answer_per_connection, 0, host="127.0.0.1"))
+    upstream = Upstream("127.0.0.1", listeners[0].socket.getsockname()[1], ENGINE_KEY)
+    gateway = await Gateway().start(nursery, {"m": [upstream]})
+    client = await Client.open(gateway.port)
+    for _ in range(3):
+        assert await client.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
+    assert connections == 3  # each later request went again on a fresh connection
+    await client.http.aclose()

@@ -17,6 +17,8 @@ class H11Stream:
     def __init__(self, stream: trio.SocketStream, role: type) -> None:
         self.stream = stream
         self.conn = h11.Connection(role)
+        self.reused = False  # it carried an earlier request (a kept-alive connection)
+        self.received = 0  # bytes read so far: did the peer say anything since a given moment?
 
     async def send(self, *events: h11.Event) -> None:
         """Send `events` in one write: a head, its body and its end cost one syscall, not three."""
@@ -30,7 +32,9 @@ class H11Stream:
             if event is not h11.NEED_DATA:
                 return event
             # b"" (the peer closed) becomes ConnectionClosed, or a RemoteProtocolError mid-message.
-            self.conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
+            data = await self.stream.receive_some(RECEIVE_SIZE)
+            self.received += len(data)
+            self.conn.receive_data(data)
 
     def reusable(self) -> bool:
         """Whether both sides finished their message cleanly, so the connection can carry another."""

@@ -34,6 +34,10 @@ class UpstreamPool:
             if _quiet(connection):
                 return connection
             await connection.aclose()
+        return await self.connect()
+
+    async def connect(self) -> H11Stream:
+        """A new connection (OSError if the engine cannot be reached)."""
         stream = await trio.open_tcp_stream(self.host, self.port)
         self.opened += 1
         return H11Stream(stream, h11.CLIENT)
@@ -41,6 +45,7 @@ class UpstreamPool:
     async def release(self, connection: H11Stream) -> None:
         if connection.reusable() and len(self._idle) < self.max_idle:
             connection.conn.start_next_cycle()
+            connection.reused = True
             self._idle.append(connection)
         else:
             await connection.aclose()

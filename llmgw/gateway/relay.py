@@ -56,6 +56,10 @@ class RequestRecord:
     first_byte: float | None = None
 
 
+class _StaleConnection(Exception):
+    """A reused connection that the engine had closed: nothing of the request was answered."""
+
+
 class RelayAborted(Exception):
     """The engine failed after the answer had begun: the client connection can only be cut."""
 
@@ -136,7 +140,13 @@ class Relay:
             with trio.fail_after(self.upstream_timeout):
                 pool, upstream, connection = await self._connect(self._in_turn(upstreams))
                 record.upstream = upstream
-                head = await _exchange(connection, upstream, path, body)
+                try:
+                    head = await _exchange(connection, upstream, path, body)
+                except _StaleConnection:
+                    # The engine closed this kept-alive connection as we reused it (llama.cpp
+                    # does after a stream): it never read the request, so a fresh one may carry it.
+                    connection = await pool.connect()
+                    head = await _exchange(connection, upstream, path, body)
         except trio.TooSlowError:
             raise GatewayError(504, "The engine did not answer in time", code="upstream_timeout") from None
         record.status = head.status_code
@@ -235,6 +245,7 @@ async def _exchange(connection: H11Stream, upstream: Upstream, path: str, body: 
             (b"authorization", b"Bearer " + upstream.engine_key.encode()),
         ],
     )
+    received_before = connection.received
     try:
         await connection.send(request, h11.Data(data=body), h11.EndOfMessage())
         while True:
@@ -246,6 +257,11 @@ async def _exchange(connection: H11Stream, upstream: Upstream, path: str, body: 
             # An InformationalResponse (1xx): the real head follows.
     except BaseException as error:
         await connection.aclose()
+        # A kept-alive connection the engine closed without a byte of answer: it had closed it
+        # before reading this request (h11 reports the close as a protocol error mid-cycle).
+        failed = isinstance(error, _UPSTREAM_FAILURES) or getattr(error, "code", None) == "upstream_closed"
+        if failed and connection.reused and connection.received == received_before:
+            raise _StaleConnection() from error
         if isinstance(error, _UPSTREAM_FAILURES):
             raise GatewayError(502, f"The engine failed: {error!r}", code="upstream_failed") from error
         raise
