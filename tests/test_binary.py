@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from llmgw import __version__
-from tests.procs import Proc, read_endpoints, wait_until, write_yaml
+from tests.procs import Proc, kill_recorded_shards, read_endpoints, wait_until, write_yaml
+from tests.real_parts import llama_server, require_llama_server, require_smollm2, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -156,3 +158,85 @@ def test_excluded_libraries_are_not_frozen_in(binary):
     roots = {name.replace("/", ".").split(".")[0] for name in names}
     assert "llmgw.server.run" in names and "pynvml" in names  # the listing is the one we think
     assert not roots & set(EXCLUDED)
+
+
+def test_the_frozen_server_and_agent_serve_a_real_model(binary, frozen_env, tmp_path):
+    """The quickstart's server and agent part, done by dist/llmgw alone: SmolLM2 on llama.cpp,
+    placed from the catalog and answering through the gateway; stopping leaves no engine."""
+    require_llama_server()
+    require_smollm2()
+    data_dir = tmp_path / "data"
+    server_config = write_yaml(
+        tmp_path / "server.yaml",
+        {
+            "data_dir": str(data_dir),
+            "link": {"listen": "127.0.0.1:0"},
+            "admin": {"listen": "127.0.0.1:0"},
+            "gateway": {"listen": "127.0.0.1:0"},
+            "models": {"smollm2": {"path": str(smollm2_gguf()), "format": "gguf"}},
+            "profiles": {
+                "smollm2-cpu": {
+                    "model": "smollm2",
+                    "engine": "llamacpp",
+                    "gpu_class": None,
+                    "memory_mib": 512,
+                }
+            },
+        },
+    )
+    server = Proc(
+        [str(binary), "server", "--config", str(server_config)], tmp_path / "server.log", env=frozen_env
+    )
+    agent = None
+    try:
+        endpoints = wait_until(lambda: read_endpoints(data_dir), "the frozen server to listen", proc=server)
+        agent_config = write_yaml(
+            tmp_path / "agent.yaml",
+            {
+                "node_name": "frozen",
+                "work_dir": str(tmp_path / "agent"),
+                "server": {"address": endpoints["link"], "join_token_file": str(data_dir / "join-token")},
+                "engines": {"llama_server": str(llama_server()), "run_as": None, "stop_shards_on_exit": True},
+            },
+        )
+        agent = Proc(
+            [str(binary), "agent", "--config", str(agent_config)], tmp_path / "agent.log", env=frozen_env
+        )
+        token = (data_dir / "admin-token").read_text().strip()
+
+        def admin(method: str, path: str, body: dict | None = None) -> dict:
+            request = urllib.request.Request(
+                f"http://{endpoints['admin']}{path}",
+                method=method,
+                data=None if body is None else json.dumps(body).encode(),
+                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.loads(response.read())
+
+        ready = wait_until(
+            lambda: [r for r in admin("GET", "/admin/v1/replicas")["replicas"] if r["state"] == "Ready"],
+            "the replica to be Ready",
+            deadline=120,
+            proc=agent,
+        )[0]
+        admin("POST", "/admin/v1/tenants", {"name": "t"})
+        secret = admin("POST", "/admin/v1/keys", {"tenant": "t"})["secret"]
+        request = urllib.request.Request(
+            f"http://{endpoints['gateway']}/v1/chat/completions",
+            data=json.dumps(
+                {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            ).encode(),
+            headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["message"]["content"]
+        engine_port = ready["shards"][0]["port"]
+        assert agent.stop() == 0  # stop_shards_on_exit: the engine goes with it
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", engine_port)) != 0
+    finally:
+        if agent is not None:
+            agent.stop()
+            kill_recorded_shards(tmp_path / "agent")
+        server.stop()
