@@ -667,18 +667,7 @@ class _Pass:
         result = unplaceable.get(profile.name) or self._place_on(profile)
         if isinstance(result, Placement):
             why = record.reason if record.id in self.fresh else f"pending for {self.now - record.since:.0f} s"
-            specs = self._launch(record, profile, result)
-            self._act(
-                StartReplica(
-                    replica_id=record.id,
-                    profile=profile.name,
-                    specs=specs,
-                    placement=result,
-                    reason=f"{why}; on {_where(result)}",
-                ),
-                record.id,
-            )
-            self._take(record.id, result, profile)
+            self._start(record, profile, result, why)
             return
         unplaceable[profile.name] = result
         self._mark_pending(record, profile, result, result.summary + self._make_room(record, profile))
@@ -708,38 +697,40 @@ class _Pass:
             result = self._place_on(profile, away)
             if isinstance(result, Placement):
                 how = f"moved away from {', '.join(sorted(away))}" if away else "placed anew"
-                specs = self._launch(record, profile, result)
-                self._act(
-                    RestartReplica(
-                        replica_id=record.id,
-                        profile=profile.name,
-                        specs=specs,
-                        placement=result,
-                        moved=True,
-                        reason=f"{how} {why}; on {_where(result)}",
-                    ),
-                    record.id,
-                )
-                self._take(record.id, result, profile)
+                self._start(record, profile, result, f"{how} {why}", moved=True)
                 return
             if old is None:
                 # Neither its own place nor another: it waits as Pending, its failures kept.
                 self._mark_pending(record, profile, result, result.summary)
                 return
             why += f"; in place, as no other node can take it ({result.summary})"
-        specs = self._launch(record, profile, old)
-        self._act(
-            RestartReplica(
-                replica_id=record.id,
-                profile=profile.name,
-                specs=specs,
-                placement=old,
-                moved=False,
-                reason=f"restart {why}; on {_where(old)}",
-            ),
-            record.id,
-        )
         # Its own GPUs and ports were held for it all along: nothing more to take.
+        self._start(record, profile, old, f"restart {why}", moved=False, take=False)
+
+    def _start(
+        self,
+        record: Replica,
+        profile: Profile,
+        placement: Placement,
+        reason: str,
+        *,
+        moved: bool | None = None,
+        take: bool = True,
+    ) -> None:
+        """Launches ``record`` at ``placement``: a StartReplica, or a RestartReplica when ``moved``
+        says whether it left its old place; ``take`` holds the placement's GPUs and ports."""
+        specs = self._launch(record, profile, placement)
+        fields = {
+            "replica_id": record.id,
+            "profile": profile.name,
+            "specs": specs,
+            "placement": placement,
+            "reason": f"{reason}; on {_where(placement)}",
+        }
+        action = StartReplica(**fields) if moved is None else RestartReplica(moved=moved, **fields)
+        self._act(action, record.id)
+        if take:
+            self._take(record.id, placement, profile)
 
     def _launch(self, record: Replica, profile: Profile, placement: Placement) -> tuple[ShardSpec, ...]:
         """The specs to start ``record`` with at ``placement``; the record becomes Starting."""
