@@ -474,25 +474,25 @@ class Supervisor:
         assert shard.health_port is not None
         while True:
             try:
-                status, _ = await http_get("127.0.0.1", shard.health_port, "/health", timeout=PROBE_TIMEOUT)
+                status, _ = await self._probe(shard, "/health", with_key=False)
             except ProbeFailed:
                 status = 0
             if status:
                 if status == 200:
                     try:
-                        models, _ = await http_get(
-                            "127.0.0.1",
-                            shard.health_port,
-                            "/v1/models",
-                            headers=self._auth(shard),
-                            timeout=PROBE_TIMEOUT,
-                        )
+                        models, _ = await self._probe(shard, "/v1/models")
                     except ProbeFailed:
                         models = 0
                     if models == 200:
                         return
                 self._advance(shard, ShardState.LOADING)
             await trio.sleep(self._health_interval)
+
+    async def _probe(self, shard: _Shard, path: str, *, with_key: bool = True) -> tuple[int, bytes]:
+        """GET ``path`` from the shard's engine on this node (raises ProbeFailed)."""
+        assert shard.health_port is not None
+        headers = self._auth(shard) if with_key else None
+        return await http_get("127.0.0.1", shard.health_port, path, headers=headers, timeout=PROBE_TIMEOUT)
 
     async def _learn_compute(self, shard: _Shard) -> None:
         """What the shard computes on: GPUs its processes hold memory on, else the CPU."""
@@ -524,13 +524,7 @@ class Supervisor:
         assert shard.health_port is not None
         while shard.ended is None:
             try:
-                status, body = await http_get(
-                    "127.0.0.1",
-                    shard.health_port,
-                    "/metrics",
-                    headers=self._auth(shard),
-                    timeout=PROBE_TIMEOUT,
-                )
+                status, body = await self._probe(shard, "/metrics")
             except ProbeFailed:
                 busy = None
             else:
