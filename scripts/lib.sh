@@ -1,4 +1,5 @@
-# Shared by the scripts: a virtual environment in .venv with llmgw and everything its tests need.
+# Shared by the scripts: a virtual environment in .venv with llmgw and everything its tests need
+# (test, build and train extras).
 # Sourced, not run. Re-installs only when pyproject.toml changed since the last install.
 
 ensure_venv() {
@@ -18,7 +19,8 @@ ensure_venv() {
       echo "    about 13 minutes on a 2-core machine. pip caches it; later installs take seconds."
     fi
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[test,build]'
+    # train: the LoRA tests run the real training child (torch, peft) and llama.cpp's converter.
+    .venv/bin/python -m pip install --quiet -e '.[test,build,train]'
     touch .venv/.llmgw-installed
   fi
 }

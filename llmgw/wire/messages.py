@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 
 from llmgw.core.shard import ShardSpec
+from llmgw.core.training import FileDigest, TrainSpec
 
 frozen = attrs.frozen(kw_only=True)
 
@@ -130,6 +131,14 @@ class RunningShard:
     adopted: bool = False  # started by an earlier agent process
 
 
+@frozen
+class RunningJob:
+    """A training job the agent runs, as listed in every Register."""
+
+    job_id: str
+    state: str  # a JobState value
+
+
 # --- link messages ------------------------------------------------------------------------------
 
 
@@ -141,6 +150,8 @@ class Register:
     agent_version: str
     inventory: Inventory
     shards: tuple[RunningShard, ...] = ()
+    # Training jobs this agent still runs (a restarted server re-attaches them, fails the rest).
+    jobs: tuple[RunningJob, ...] = ()
 
 
 @frozen
@@ -233,6 +244,58 @@ class ShardStatus:
 
 
 @frozen
+class StartJob:
+    """Train an adapter. A StartJob for a job the agent already runs is a no-op."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    spec: TrainSpec
+
+
+@frozen
+class CancelJob:
+    """Stop a job's child (SIGTERM to its group, SIGKILL after ``grace``) and drop its files."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    job_id: str
+    grace: float = 10.0
+
+
+@frozen
+class JobStatus:
+    """A job moved on: a new state, or progress inside Training. Sent by the agent as it happens.
+
+    Progress is sent at most a few times a second, so a fast tiny model does not flood the link.
+    """
+
+    job_id: str
+    state: str  # a JobState value
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    # Peak memory of the card the child trains on, or the child's peak RSS on a CPU node.
+    peak_mib: int = 0
+    device: str = ""  # "cuda:0 (GPU 0)" or "cpu"
+    reason: str = ""  # why, for Failed and Cancelled
+    log_tail: tuple[str, ...] = ()  # the child's last lines, on failure
+    # With state Uploading: the files that follow as JobPiece messages, in this order.
+    files: tuple[FileDigest, ...] = ()
+
+
+@frozen
+class JobPiece:
+    """One piece of one output file. Pieces of a file arrive in order, index 0..count-1."""
+
+    job_id: str
+    file: str  # FileDigest.name
+    index: int
+    count: int
+    data: str  # base64 of at most PIECE_BYTES bytes
+    sha256: str  # hex digest of this piece's bytes
+
+
+@frozen
 class Goodbye:
     """Sent before a side closes the stream on purpose (shutdown, replaced by a newer link)."""
 
@@ -250,6 +313,10 @@ Message = (
     | DrainShard
     | CommandResult
     | ShardStatus
+    | StartJob
+    | CancelJob
+    | JobStatus
+    | JobPiece
     | Goodbye
 )
 MESSAGE_TYPES: tuple[type, ...] = (
@@ -263,5 +330,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     DrainShard,
     CommandResult,
     ShardStatus,
+    StartJob,
+    CancelJob,
+    JobStatus,
+    JobPiece,
     Goodbye,
 )
