@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import select
 
-import h11
 import trio
 
-from llmgw.gateway.h11_stream import H11Stream
+from llmgw.gateway.engine_http import EngineConnection
 
 MAX_IDLE_PER_UPSTREAM = 64
 
@@ -22,10 +21,10 @@ class UpstreamPool:
         self.host = host
         self.port = port
         self.max_idle = max_idle
-        self._idle: list[H11Stream] = []
+        self._idle: list[EngineConnection] = []
         self.opened = 0  # connections made, for tests and benchmarks to see reuse
 
-    async def acquire(self) -> H11Stream:
+    async def acquire(self) -> EngineConnection:
         """An idle connection, or a new one; a failed connect raises OSError."""
         while self._idle:
             # Last in, first out: the most recently used connection is the least likely to have
@@ -36,16 +35,15 @@ class UpstreamPool:
             await connection.aclose()
         return await self.connect()
 
-    async def connect(self) -> H11Stream:
+    async def connect(self) -> EngineConnection:
         """A new connection (OSError if the engine cannot be reached)."""
         stream = await trio.open_tcp_stream(self.host, self.port)
         self.opened += 1
-        return H11Stream(stream, h11.CLIENT)
+        return EngineConnection(stream)
 
-    async def release(self, connection: H11Stream) -> None:
+    async def release(self, connection: EngineConnection) -> None:
         if connection.reusable() and len(self._idle) < self.max_idle:
-            connection.conn.start_next_cycle()
-            connection.reused = True
+            connection.next_cycle()
             self._idle.append(connection)
         else:
             await connection.aclose()
@@ -56,7 +54,7 @@ class UpstreamPool:
             await connection.aclose()
 
 
-def _quiet(connection: H11Stream) -> bool:
+def _quiet(connection: EngineConnection) -> bool:
     """Whether an idle connection has nothing to read. An engine says nothing on an idle
     connection unless it closed it, and a request sent on a closed one would fail after it may
     have reached the engine, where it cannot be retried; so a readable one is dropped instead."""

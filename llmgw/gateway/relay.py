@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-import h11
 import trio
 
+from llmgw.gateway.engine_http import EngineConnection, EngineFailed, request_bytes, request_head
 from llmgw.gateway.errors import GatewayError
-from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
 from llmgw.gateway.responder import Headers, Responder
 from llmgw.gateway.router import Router, Upstream
@@ -35,7 +34,9 @@ log = logging.getLogger(__name__)
 # Non-streaming answers only come once generation ends, so this is long.
 UPSTREAM_TIMEOUT = 600.0
 
-_UPSTREAM_FAILURES = (trio.BrokenResourceError, h11.RemoteProtocolError, OSError)
+_UPSTREAM_FAILURES = (trio.BrokenResourceError, EngineFailed, OSError)
+# Request heads kept per (upstream, path); a bound, as upstreams change over the process's life.
+MAX_CACHED_HEADS = 1024
 
 
 @attrs.define
@@ -80,6 +81,7 @@ class Relay:
         self.upstream_timeout = upstream_timeout
         self.max_idle = max_idle
         self.pools: dict[tuple[str, int], UpstreamPool] = {}
+        self._heads: dict[tuple[Upstream, str], bytes] = {}
         self._turn = 0
 
     def models(self, authorization: str | None) -> Sequence[str]:
@@ -136,21 +138,36 @@ class Relay:
             raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
         if not upstreams:
             raise GatewayError(503, f"No replica of '{model}' is ready", code="no_ready_replica")
-        try:
-            with trio.fail_after(self.upstream_timeout):
-                pool, upstream, connection = await self._connect(self._in_turn(upstreams))
-                record.upstream = upstream
-                try:
-                    head = await _exchange(connection, upstream, path, body)
-                except _StaleConnection:
-                    # The engine closed this kept-alive connection as we reused it (llama.cpp
-                    # does after a stream): it never read the request, so a fresh one may carry it.
-                    connection = await pool.connect()
-                    head = await _exchange(connection, upstream, path, body)
-        except trio.TooSlowError:
-            raise GatewayError(504, "The engine did not answer in time", code="upstream_timeout") from None
-        record.status = head.status_code
-        await self._relay_body(client, pool, connection, head, strip_usage, record)
+        # One scope for the whole exchange: the engine has this long to answer with a head, then
+        # may stay silent this long between reads (the deadline moves on as bytes come). A scope
+        # costs about as much as a read, so a request gets one, not one per step.
+        scope = trio.CancelScope(deadline=trio.current_time() + self.upstream_timeout)
+        with scope:
+            pool, upstream, connection = await self._connect(self._in_turn(upstreams))
+            record.upstream = upstream
+            request = request_bytes(self._head(upstream, path), body)
+            try:
+                await _exchange(connection, request)
+            except _StaleConnection:
+                # The engine closed this kept-alive connection as we reused it (llama.cpp
+                # does after a stream): it never read the request, so a fresh one may carry it.
+                connection = await pool.connect()
+                await _exchange(connection, request)
+            record.status = connection.status
+            await self._relay_body(client, pool, connection, strip_usage, record, scope)
+        if scope.cancelled_caught:
+            if not record.status:
+                raise GatewayError(504, "The engine did not answer in time", code="upstream_timeout")
+            raise RelayAborted("engine went silent mid-answer")
+
+    def _head(self, upstream: Upstream, path: str) -> bytes:
+        key = (upstream, path)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) >= MAX_CACHED_HEADS:
+                self._heads.clear()  # replicas come and go; the live ones are back in one request
+            head = self._heads[key] = request_head(upstream.host, upstream.port, path, upstream.engine_key)
+        return head
 
     def _in_turn(self, upstreams: Sequence[Upstream]) -> list[Upstream]:
         """At most two upstreams to try, taking turns at which one comes first."""
@@ -158,7 +175,7 @@ class Relay:
         self._turn += 1
         return [upstreams[first], upstreams[(first + 1) % len(upstreams)]][: len(upstreams)]
 
-    async def _connect(self, upstreams: list[Upstream]) -> tuple[UpstreamPool, Upstream, H11Stream]:
+    async def _connect(self, upstreams: list[Upstream]) -> tuple[UpstreamPool, Upstream, EngineConnection]:
         failure: OSError | None = None
         for upstream in upstreams:
             key = (upstream.host, upstream.port)
@@ -176,14 +193,14 @@ class Relay:
         self,
         client: Responder,
         pool: UpstreamPool,
-        connection: H11Stream,
-        head: h11.Response,
+        connection: EngineConnection,
         strip_usage: bool,
         record: RequestRecord,
+        silence: trio.CancelScope,
     ) -> None:
         content_type = b"application/json"
         length = None
-        for name, value in head.headers:
+        for name, value in connection.headers:
             if name == b"content-type":
                 content_type = value
             elif name == b"content-length":
@@ -192,29 +209,29 @@ class Relay:
         headers: Headers = [(b"content-type", content_type)]
         if length is not None and events is None:
             headers.append((b"content-length", length))  # otherwise h11 sends it chunked
-        client.start(head.status_code, headers)
+        client.start(record.status, headers)
         parts: list[bytes] = []
+        moved = trio.current_time()
         try:
             while True:
-                with trio.move_on_after(self.upstream_timeout) as waited:
-                    try:
-                        event = await connection.next_event()
-                    except _UPSTREAM_FAILURES as error:
-                        raise RelayAborted(f"engine failed mid-answer: {error!r}") from error
-                if waited.cancelled_caught:
-                    raise RelayAborted("engine went silent mid-answer")
-                if type(event) is h11.Data:
-                    data = event.data if events is None else events.feed(event.data)
-                    if events is None:
-                        parts.append(data)
-                    if data:
-                        await client.send(data)
-                        if record.first_byte is None:
-                            record.first_byte = trio.current_time()
-                elif type(event) is h11.EndOfMessage:
+                try:
+                    data = await connection.read_body()
+                except _UPSTREAM_FAILURES as error:
+                    raise RelayAborted(f"engine failed mid-answer: {error!r}") from error
+                if data is None:
                     break
-                elif type(event) is h11.ConnectionClosed:
-                    raise RelayAborted("engine closed the connection mid-answer")
+                now = trio.current_time()
+                if now - moved > 1.0:  # moving a deadline costs; once a second is precise enough
+                    moved = now
+                    silence.deadline = now + self.upstream_timeout
+                if events is None:
+                    parts.append(data)
+                else:
+                    data = events.feed(data)
+                if data:
+                    await client.send(data)
+                    if record.first_byte is None:
+                        record.first_byte = trio.current_time()
         except BaseException:
             await connection.aclose()
             raise
@@ -233,36 +250,20 @@ class Relay:
             await pool.aclose()
 
 
-async def _exchange(connection: H11Stream, upstream: Upstream, path: str, body: bytes) -> h11.Response:
-    """Send the request, with the engine's key in place of the client's, and read the answer's head."""
-    request = h11.Request(
-        method="POST",
-        target=path,
-        headers=[
-            (b"host", f"{upstream.host}:{upstream.port}".encode()),
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-            (b"authorization", b"Bearer " + upstream.engine_key.encode()),
-        ],
-    )
+async def _exchange(connection: EngineConnection, request: bytes) -> None:
+    """Send the request (it carries the engine's key, never the client's) and read the answer's head."""
     received_before = connection.received
     try:
-        await connection.send(request, h11.Data(data=body), h11.EndOfMessage())
-        while True:
-            event = await connection.next_event()
-            if type(event) is h11.Response:
-                return event
-            if type(event) is h11.ConnectionClosed:
-                raise GatewayError(502, "The engine closed the connection", code="upstream_closed")
-            # An InformationalResponse (1xx): the real head follows.
+        await connection.send(request)
+        await connection.read_head()
     except BaseException as error:
         await connection.aclose()
         # A kept-alive connection the engine closed without a byte of answer: it had closed it
-        # before reading this request (h11 reports the close as a protocol error mid-cycle).
-        failed = isinstance(error, _UPSTREAM_FAILURES) or getattr(error, "code", None) == "upstream_closed"
+        # before reading this request.
+        failed = isinstance(error, _UPSTREAM_FAILURES)
         if failed and connection.reused and connection.received == received_before:
             raise _StaleConnection() from error
-        if isinstance(error, _UPSTREAM_FAILURES):
+        if failed:
             raise GatewayError(502, f"The engine failed: {error!r}", code="upstream_failed") from error
         raise
 
