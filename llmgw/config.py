@@ -363,6 +363,16 @@ class EnginesConfig:
     stop_shards_on_exit: bool = False
     # SIGTERM, then SIGKILL after this long, when a shard is stopped.
     stop_grace: Duration = 30.0
+    # The Python that runs the training child (torch, transformers). On a GPU node: the one vLLM
+    # uses, so training shares its torch and CUDA. peft and accelerate are pinned: when this
+    # Python lacks those versions, the agent installs them once into an overlay of its own.
+    train_python: str = "python3"
+    # Threads of a training child (OMP_NUM_THREADS). None: the node's cores minus one on a CPU
+    # node, so the agent keeps a core; 1 beside a GPU, where the card does the work.
+    train_threads: PositiveInt | None = None
+    # llama.cpp's convert_lora_to_gguf.py, with its gguf-py directory beside it: converts adapters
+    # of models served by llama.cpp. None: such jobs fail, saying to set it.
+    lora_converter: Path | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -196,3 +196,113 @@ async def test_a_new_link_from_the_same_node_replaces_the_old_one(tmp_path):
         await wait_for(lambda: server.registry.get("twin").session is not old_session, "the second link")
         assert old_session.link.closed
         nursery.cancel_scope.cancel()
+
+
+# --- training jobs on the link (a bare server end, so only the agent's side is under test) -------
+
+
+async def test_jobs_are_registered_commanded_reported_and_uploaded_in_order():
+    import random
+
+    from llmgw.agent.link import AgentLink
+    from llmgw.core.training import QaPair, TrainSpec
+    from llmgw.wire.h2link import H2Link
+    from llmgw.wire.messages import (
+        CancelJob,
+        CommandResult,
+        JobPiece,
+        JobStatus,
+        Register,
+        Registered,
+        RunningJob,
+        StartJob,
+    )
+    from tests.helpers import fake_inventory
+
+    class Jobs:
+        def __init__(self) -> None:
+            self.started: list[str] = []
+
+        async def start(self, spec: TrainSpec) -> tuple[bool, str]:
+            self.started.append(spec.job_id)
+            return True, "starting on cpu"
+
+        async def cancel(self, job_id: str, grace: float) -> tuple[bool, str]:
+            return True, f"cancelled {job_id} within {grace:g}s"
+
+        def running(self) -> list[RunningJob]:
+            return [RunningJob(job_id="job-0", state="Training")]
+
+    received: list[object] = []
+    sessions: list[H2Link] = []
+
+    async def serve(stream: trio.SocketStream) -> None:
+        link = H2Link(stream, client_side=False, peer="agent")
+        async with trio.open_nursery() as inner:
+            await inner.start(link.run)
+            await link.accept_stream()
+            await link.respond(200)
+            sessions.append(link)
+            try:
+                while True:
+                    message = await link.receive()
+                    received.append(message)
+                    if isinstance(message, Register):
+                        await link.send(
+                            Registered(
+                                node="n1", server_version="t", heartbeat_interval=5, missed_heartbeats=3
+                            )
+                        )
+            except Exception:
+                inner.cancel_scope.cancel()
+
+    jobs = Jobs()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, serve, 0)
+        port = listeners[0].socket.getsockname()[1]
+        agent = AgentLink(
+            node="n1",
+            host="127.0.0.1",
+            port=port,
+            join_token="t",
+            discover=lambda _a: fake_inventory("n1"),
+            initial_delay=0.05,
+            max_delay=0.1,
+            rng=random.Random(1),
+            jobs=jobs,
+        )
+        # Reported before any session: kept, and only the latest of a job goes.
+        agent.report_job(JobStatus(job_id="job-0", state="Training", step=1))
+        agent.report_job(JobStatus(job_id="job-0", state="Training", step=2))
+        nursery.start_soon(agent.run)
+        await wait_for(lambda: agent.connected, "the agent to register")
+        [register] = [m for m in received if isinstance(m, Register)]
+        assert register.jobs == (RunningJob(job_id="job-0", state="Training"),)
+        await wait_for(lambda: any(isinstance(m, JobStatus) for m in received), "the queued status")
+        assert [m.step for m in received if isinstance(m, JobStatus)] == [2]
+
+        server = sessions[-1]
+        spec = TrainSpec(
+            job_id="job-1", model="m", adapter="a", base_dir="/b", pairs=(QaPair(question="q", answer="a"),)
+        )
+        await server.send(StartJob(id=7, spec=spec))
+        await server.send(CancelJob(id=8, job_id="job-1", grace=2))
+        await wait_for(lambda: sum(isinstance(m, CommandResult) for m in received) == 2, "both replies")
+        replies = {m.reply_to: m for m in received if isinstance(m, CommandResult)}
+        assert replies[7] == CommandResult(reply_to=7, ok=True, message="starting on cpu")
+        assert replies[8] == CommandResult(reply_to=8, ok=True, message="cancelled job-1 within 2s")
+        assert jobs.started == ["job-1"]
+
+        # An upload: a stale progress status queued just before must not arrive after Uploading.
+        agent.report_job(JobStatus(job_id="job-1", state="Training", step=9))
+        before = len(received)
+
+        async def pieces():
+            for index in range(3):
+                yield JobPiece(job_id="job-1", file="f", index=index, count=3, data="", sha256="x")
+
+        await agent.upload(JobStatus(job_id="job-1", state="Uploading"), pieces())
+        await wait_for(lambda: len(received) >= before + 4, "the upload")
+        sent = [(type(m).__name__, getattr(m, "state", getattr(m, "index", None))) for m in received[before:]]
+        assert sent == [("JobStatus", "Uploading"), ("JobPiece", 0), ("JobPiece", 1), ("JobPiece", 2)]
+        nursery.cancel_scope.cancel()

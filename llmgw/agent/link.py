@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import ssl
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import trio
@@ -22,21 +22,28 @@ import trio
 from llmgw import __version__
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.liveness import Liveness
+from llmgw.core.pieces import UploadInterrupted
 from llmgw.core.shard import ShardSpec
+from llmgw.core.training import TrainSpec
 from llmgw.wire.h2link import H2Link, LinkClosed, LinkRefused
 from llmgw.wire.messages import (
+    CancelJob,
     CommandResult,
     DrainShard,
     Goodbye,
     Heartbeat,
     Inventory,
+    JobPiece,
+    JobStatus,
     Message,
     Ping,
     Pong,
     Register,
     Registered,
+    RunningJob,
     RunningShard,
     ShardStatus,
+    StartJob,
     StartShard,
     StopShard,
 )
@@ -62,6 +69,16 @@ class ShardHost(Protocol):
     def running(self) -> list[RunningShard]: ...
 
 
+class JobHost(Protocol):
+    """What the link needs from the trainer."""
+
+    async def start(self, spec: TrainSpec) -> tuple[bool, str]: ...
+
+    async def cancel(self, job_id: str, grace: float) -> tuple[bool, str]: ...
+
+    def running(self) -> list[RunningJob]: ...
+
+
 class JoinRefused(Exception):
     """The server will not take this agent (wrong join token, bad node name)."""
 
@@ -81,6 +98,7 @@ class AgentLink:
         max_delay: float = 30.0,
         rng: random.Random | None = None,
         shards: ShardHost | None = None,
+        jobs: JobHost | None = None,
     ) -> None:
         self.node = node
         self._host, self._port = host, port
@@ -91,7 +109,16 @@ class AgentLink:
         self._initial_delay, self._max_delay = initial_delay, max_delay
         self._rng = rng or random.Random()
         self._shards = shards
+        self._jobs = jobs
         self._status_send, self._status_receive = trio.open_memory_channel[ShardStatus](math.inf)
+        # The latest status of each job not yet sent, oldest first. Unlike shard statuses these
+        # survive a reconnect (Register lists running jobs, but not how one ended), and only the
+        # latest matters: progress superseded while the link was down is not worth sending.
+        self._job_statuses: dict[str, JobStatus] = {}
+        self._job_statuses_changed = trio.Event()
+        # The registered session, for uploads: a job's pieces go on one session or not at all.
+        self._session: H2Link | None = None
+        self._session_up = trio.Event()
         self.registrations = 0  # how many times a session was established (tests, status)
         self.connected = False
 
@@ -132,6 +159,8 @@ class AgentLink:
                 liveness = await self._register(link, local_address)
                 self.registrations += 1
                 self.connected = True
+                self._session = link
+                self._session_up.set()
                 log.info("registered with %s:%s as node %s", self._host, self._port, self.node)
                 outcome = (True, await self._serve(link, liveness, local_address))
             except LinkRefused as exc:
@@ -144,6 +173,9 @@ class AgentLink:
                 outcome = (False, str(exc) or type(exc).__name__)
             finally:
                 self.connected = False
+                if self._session is link:
+                    self._session = None
+                    self._session_up = trio.Event()
                 with trio.CancelScope(shield=True):
                     await link.aclose("agent closing the link")
                 nursery.cancel_scope.cancel()
@@ -164,8 +196,11 @@ class AgentLink:
             # while the link was down: drop those first, then take the snapshot.
             self._drop_queued_statuses()
             shards = tuple(self._shards.running()) if self._shards is not None else ()
+            jobs = tuple(self._jobs.running()) if self._jobs is not None else ()
             await link.send(
-                Register(node=self.node, agent_version=__version__, inventory=inventory, shards=shards)
+                Register(
+                    node=self.node, agent_version=__version__, inventory=inventory, shards=shards, jobs=jobs
+                )
             )
             reply = await link.receive()
         if isinstance(reply, Goodbye):
@@ -192,6 +227,45 @@ class AgentLink:
         async for status in self._status_receive:
             await link.send(status)
 
+    # --- job status reports and uploads ---------------------------------------------------------
+
+    def report_job(self, status: JobStatus) -> None:
+        """Queues a job status for the server (the trainer's ``on_status``). Never blocks; a newer
+        status of the same job replaces one not yet sent."""
+        self._job_statuses.pop(status.job_id, None)
+        self._job_statuses[status.job_id] = status
+        self._job_statuses_changed.set()
+
+    async def _send_job_statuses(self, link: H2Link) -> None:
+        while True:
+            while self._job_statuses:
+                job_id = next(iter(self._job_statuses))
+                status = self._job_statuses.pop(job_id)
+                try:
+                    await link.send(status)
+                except LinkClosed:
+                    # Kept for the next session, unless a newer one came meanwhile.
+                    self._job_statuses.setdefault(job_id, status)
+                    raise
+            self._job_statuses_changed = trio.Event()
+            await self._job_statuses_changed.wait()
+
+    async def upload(self, status: JobStatus, pieces: AsyncIterator[JobPiece]) -> None:
+        """Sends a job's Uploading status, then its pieces, on one session, each piece once the
+        link has taken the one before (HTTP/2 flow control is the backpressure). Waits for a
+        session when none is up; raises UploadInterrupted when it ends midway."""
+        while self._session is None:
+            await self._session_up.wait()
+        link = self._session
+        # This status supersedes any older one of the job, which must not arrive after it.
+        self._job_statuses.pop(status.job_id, None)
+        try:
+            await link.send(status)
+            async for piece in pieces:
+                await link.send(piece)
+        except LinkClosed as exc:
+            raise UploadInterrupted(str(exc)) from None
+
     # --- a registered session -------------------------------------------------------------------
 
     async def _serve(self, link: H2Link, liveness: Liveness, local_address: str) -> str:
@@ -214,6 +288,7 @@ class AgentLink:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_until_closed, send_heartbeats)
             nursery.start_soon(_until_closed, self._send_statuses, link)
+            nursery.start_soon(_until_closed, self._send_job_statuses, link)
             nursery.start_soon(link.close_when_silent, liveness.window)
             try:
                 while True:
@@ -225,7 +300,7 @@ class AgentLink:
                             pass
                         case Ping(id=command_id, payload=payload):
                             await link.send(Pong(reply_to=command_id, payload=payload, node=self.node))
-                        case StartShard() | StopShard() | DrainShard():
+                        case StartShard() | StopShard() | DrainShard() | StartJob() | CancelJob():
                             nursery.start_soon(_until_closed, execute, message)
                         case _:
                             log.warning("ignoring a %s from the server: unknown here", type(message).__name__)
@@ -235,7 +310,11 @@ class AgentLink:
             finally:
                 nursery.cancel_scope.cancel()
 
-    async def _execute(self, command: StartShard | StopShard | DrainShard) -> CommandResult:
+    async def _execute(
+        self, command: StartShard | StopShard | DrainShard | StartJob | CancelJob
+    ) -> CommandResult:
+        if isinstance(command, StartJob | CancelJob):
+            return await self._execute_job(command)
         if self._shards is None:
             return CommandResult(reply_to=command.id, ok=False, message="this agent runs no shards")
         match command:
@@ -248,6 +327,18 @@ class AgentLink:
             case DrainShard(shard_id=shard_id, timeout=timeout):
                 log.info("drain shard %s", shard_id)
                 ok, message = await self._shards.drain(shard_id, timeout)
+        return CommandResult(reply_to=command.id, ok=ok, message=message)
+
+    async def _execute_job(self, command: StartJob | CancelJob) -> CommandResult:
+        if self._jobs is None:
+            return CommandResult(reply_to=command.id, ok=False, message="this agent trains no adapters")
+        match command:
+            case StartJob(spec=spec):
+                log.info("start job %s (adapter %s of %s)", spec.job_id, spec.adapter, spec.model)
+                ok, message = await self._jobs.start(spec)
+            case CancelJob(job_id=job_id, grace=grace):
+                log.info("cancel job %s", job_id)
+                ok, message = await self._jobs.cancel(job_id, grace)
         return CommandResult(reply_to=command.id, ok=ok, message=message)
 
 

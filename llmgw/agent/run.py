@@ -1,7 +1,8 @@
 """`llmgw agent`: adopt what is still running, then hold the link to the server.
 
-One nursery: the supervisor (shards, adoption) and the link. Stopping the agent leaves engines
-running unless engines.stop_shards_on_exit says otherwise: the next agent adopts them.
+One nursery: the supervisor (shards, adoption), the trainer (training jobs, adoption) and the
+link. Stopping the agent leaves engines running unless engines.stop_shards_on_exit says
+otherwise: the next agent adopts them.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import os
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
 from llmgw.agent.discovery import discover
+from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.agent.link import AgentLink
 from llmgw.agent.supervisor import Supervisor
+from llmgw.agent.trainer import Trainer
 from llmgw.config import AgentConfig, default_home
 from llmgw.core.engines import EngineBinaries
 
@@ -93,12 +97,17 @@ def _packaged_llama_server() -> str | None:
         return None
 
 
-def make_link(config: AgentConfig, supervisor: Supervisor | None) -> AgentLink:
+def make_link(
+    config: AgentConfig, supervisor: Supervisor | None, trainer: Trainer | None = None
+) -> AgentLink:
     def discover_node(local_address: str):
-        # GPU memory held by our own shards is not foreign; own_pids reads /proc (we are in a
-        # worker thread here already).
-        own = supervisor.own_pids() if supervisor is not None else frozenset()
-        return discover(local_address=local_address, fabric_override=config.fabric, own_pids=own)
+        # GPU memory held by our own shards and training jobs is not foreign; own_pids reads
+        # /proc (we are in a worker thread here already).
+        return discover(
+            local_address=local_address,
+            fabric_override=config.fabric,
+            own_pids=_own_pids(supervisor, trainer),
+        )
 
     return AgentLink(
         node=node_name(config),
@@ -111,12 +120,46 @@ def make_link(config: AgentConfig, supervisor: Supervisor | None) -> AgentLink:
         initial_delay=config.reconnect.initial_delay,
         max_delay=config.reconnect.max_delay,
         shards=supervisor,
+        jobs=trainer,
+    )
+
+
+def _own_pids(supervisor: Supervisor | None, trainer: Trainer | None) -> frozenset[int]:
+    own = supervisor.own_pids() if supervisor is not None else frozenset()
+    return own | (trainer.own_pids() if trainer is not None else frozenset())
+
+
+def make_trainer(config: AgentConfig, supervisor: Supervisor, link_of: Callable[[], AgentLink]) -> Trainer:
+    """The trainer; ``link_of`` gives the link, which is made after it (the link lists its jobs)."""
+    engines = config.engines
+
+    def gpus():
+        # Fresh, for each job: free memory is what decides the card.
+        found, _note = read_gpus(own_pids=_own_pids(supervisor, None))
+        return found
+
+    async def upload(status, pieces) -> None:
+        await link_of().upload(status, pieces)
+
+    return Trainer(
+        config.work_dir,
+        gpus=gpus,
+        on_status=lambda status: link_of().report_job(status),
+        upload=upload,
+        train_python=engines.train_python,
+        run_as=engines.run_as,
+        threads=engines.train_threads,
+        lora_converter=engines.lora_converter,
     )
 
 
 async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     config.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Others may pass through, not list: the engines' user reaches its home and a job's run
+    # directory below here by their full paths; everything else inside is 0600/0700.
+    os.chmod(config.work_dir, 0o711)
     link: AgentLink | None = None
+    trainer: Trainer | None = None
     supervisor = Supervisor(
         config.work_dir,
         binaries=engine_binaries(config),
@@ -125,12 +168,17 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
         # but is not connected; the link queues until it is.
         on_status=lambda status: link.report(status),
         leader_wait=config.engines.leader_wait,
+        # An adopted training child holds GPU memory that no shard describes: not foreign.
+        also_ours=lambda: trainer.own_pids() if trainer is not None else frozenset(),
     )
-    link = make_link(config, supervisor)
+    trainer = make_trainer(config, supervisor, lambda: link)
+    link = make_link(config, supervisor, trainer)
     log.info("llmgw agent %s connecting to %s", link.node, config.server.address)
     try:
         async with trio.open_nursery() as nursery:
             # Adoption first: the first Register must list what an earlier agent left running.
+            # The trainer before the supervisor, which kills GPU processes no one claims.
+            await nursery.start(trainer.run)
             await nursery.start(supervisor.run)
             await nursery.start(link.run)
             task_status.started(link)

@@ -133,8 +133,11 @@ class Supervisor:
         nvml: Any = None,
         leader_wait: float = 600.0,
         health_interval: float = 1.0,
+        also_ours: Callable[[], frozenset[int]] | None = None,
     ) -> None:
         self._work_dir = work_dir
+        # Pids that are ours though no shard describes them (training children); blocking.
+        self._also_ours = also_ours
         self._shards_dir = work_dir / "shards"
         self._binaries = binaries
         self._run_as = run_as
@@ -343,6 +346,8 @@ class Supervisor:
             return
         table = await trio.to_thread.run_sync(process_table)
         ours = members(self._our_pgids(), table) | {os.getpid()}
+        if self._also_ours is not None:
+            ours |= await trio.to_thread.run_sync(self._also_ours)
         for pid, cards in sorted(by_pid.items()):
             if pid in ours:
                 continue

@@ -1,0 +1,940 @@
+"""The agent's trainer: runs one training job at a time in a child process, and sends back what it made.
+
+A job is one task of the trainer's nursery, and goes: prepare its directory → (first job only)
+make sure the child's Python has the pinned peft/accelerate → start the child → follow its events
+until it exits → convert the adapter to GGUF when asked → announce the files (JobStatus
+Uploading) and send them in pieces. The server decides Succeeded once it has verified them.
+A failure anywhere ends the job Failed with one line saying why and the child's last lines; a
+cancel stops the child's whole process group. Either way the job's directory goes.
+
+torch and friends are the child's alone (llmgw/agent/train_child.py, a standalone script the agent
+copies next to the job): the agent must start on a node that has none of them.
+
+Layout of a job (the engines' user must not be able to rewrite what root acts on, so the files
+that name processes to signal, and the ones root reads, are root's):
+
+    <work_dir>/jobs/<job_id>/           root, 0711
+        state.json                      root, 0600: the spec and the processes (for adoption)
+        child.out, child.err            root, 0600: the child's stdout (events) and stderr
+        convert.out                     root, 0600: the converter's output
+        run/                            the engines' user, 0700: the child's own directory
+            train_child.py, child.json, pairs.jsonl   (0600)
+            out/                        adapter_model.safetensors, adapter_config.json, adapter.gguf
+
+Cancelling ``run()`` — the agent stopping or restarting — leaves a training child running; the
+next agent adopts it from state.json and follows its events file again. A child that ended while
+no agent ran is judged by its events: finished ("done") goes on to conversion and upload, else
+Failed. A conversion or upload cut short by the restart is done again.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import trio
+
+from llmgw.agent import runas
+from llmgw.agent.processes import (
+    ProcessRecord,
+    base_environment,
+    describe_exit,
+    group_is_ours,
+    members,
+    open_output,
+    open_pidfd,
+    process_table,
+    read_cmdline,
+    read_stat,
+    signal_group,
+    wait_for_exit,
+)
+from llmgw.core.pieces import UploadInterrupted, fileobj_digest, iter_pieces
+from llmgw.core.train_device import (
+    Choice,
+    child_threads,
+    choose_device,
+    install_argv,
+    overlay_problems,
+    parse_probe,
+    pins_hash,
+    probe_argv,
+)
+from llmgw.core.training import FileDigest, JobState, TrainSpec, dump_pairs
+from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
+
+log = logging.getLogger(__name__)
+
+CHILD_SCRIPT = "train_child.py"
+STATE_FILE = "state.json"
+EVENTS_FILE = "child.out"
+LOG_FILE = "child.err"
+CONVERT_LOG = "convert.out"
+RUN_DIR = "run"
+OUT_DIR = "out"
+STATE_VERSION = 1
+
+# Progress inside Training goes to the server at most this often: a tiny model makes many steps
+# a second, and the operator's progress bar needs no more.
+PROGRESS_INTERVAL = 0.25
+# How often the child's events and output files are read.
+FOLLOW_INTERVAL = 0.1
+# Lines of the child's (and the converter's) output sent with a failure: enough for a traceback.
+TAIL_LINES = 50
+# The longest event line taken; a longer one is noise, not an event.
+MAX_EVENT_BYTES = 64 * 1024
+# Grace for what is left of a job that failed (a helper the child forked).
+FAILED_GRACE = 10.0
+# After SIGKILL: a process in uninterruptible sleep (a GPU driver call) takes a moment to go.
+KILL_WAIT = 10.0
+GONE_POLL = 0.1
+# Importing peft imports torch, which on a cold disk takes a while.
+PROBE_TIMEOUT = 300.0
+INSTALL_TIMEOUT = 900.0
+CONVERT_TIMEOUT = 1800.0
+# An upload waits this long for the link to be up before the job fails.
+UPLOAD_WAIT = 300.0
+# A job id becomes a directory name: nothing that could leave the jobs directory.
+_SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+# Only these outside variables reach pip: how this site reaches a package index.
+_PIP_ENV = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_TRUSTED_HOST",
+    "PIP_CERT",
+)
+_UPLOADED = "Uploaded"  # the agent's last word on a job that went well; the server says Succeeded
+
+_converter = cattrs.Converter(forbid_extra_keys=False)
+
+Upload = Callable[[JobStatus, AsyncIterator[JobPiece]], Awaitable[None]]
+
+
+def child_script() -> Path:
+    """The training child as shipped: beside this module, or in the frozen binary's bundle
+    (build/llmgw.spec carries it there as a data file)."""
+    bundle = getattr(sys, "_MEIPASS", None)
+    if getattr(sys, "frozen", False) and bundle:
+        return Path(bundle) / "llmgw" / "agent" / CHILD_SCRIPT
+    return Path(__file__).with_name(CHILD_SCRIPT)
+
+
+def job_id_problem(job_id: str) -> str:
+    if _SAFE_ID.fullmatch(job_id):
+        return ""
+    return f"job id {job_id!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+
+
+# --- the child's events (pure) -----------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Progress:
+    """What the child has said so far (its stdout protocol, folded)."""
+
+    total_steps: int = 0
+    step: int = 0
+    loss: float | None = None
+    peak_mib: int = 0
+    done: bool = False
+    files: tuple[str, ...] = ()
+    error: str = ""
+
+
+def apply_event(progress: Progress, line: str) -> Progress:
+    """The progress after one stdout line. A line that is not an event (stray library output)
+    changes nothing: the protocol says stdout holds only events, but a library may disagree."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return progress
+    if not isinstance(event, dict):
+        return progress
+    match event.get("event"):
+        case "start":
+            return attrs.evolve(progress, total_steps=_int(event.get("total_steps"), progress.total_steps))
+        case "step":
+            loss = event.get("loss")
+            return attrs.evolve(
+                progress,
+                step=_int(event.get("step"), progress.step),
+                total_steps=_int(event.get("total_steps"), progress.total_steps),
+                loss=float(loss) if isinstance(loss, int | float) and not isinstance(loss, bool) else None,
+                peak_mib=max(progress.peak_mib, _int(event.get("peak_mib"), 0)),
+            )
+        case "done":
+            files = event.get("files")
+            names = tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else ()
+            return attrs.evolve(
+                progress,
+                done=True,
+                files=names,
+                peak_mib=max(progress.peak_mib, _int(event.get("peak_mib"), 0)),
+            )
+        case "error":
+            message = str(event.get("message") or "the child reported an error")
+            return attrs.evolve(progress, error=" ".join(message.split())[:500])
+    return progress
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def progress_due(last_sent: float | None, now: float, interval: float = PROGRESS_INTERVAL) -> bool:
+    """Whether a progress status may go now (state changes always go)."""
+    return last_sent is None or now - last_sent >= interval
+
+
+# --- the state file ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class JobRecord:
+    spec: TrainSpec  # without its pairs: those are in run/pairs.jsonl
+    device: str  # JobStatus.device
+    child: ProcessRecord | None = None
+    converter: ProcessRecord | None = None
+
+
+def write_record(directory: Path, record: JobRecord) -> None:
+    """Atomically (temporary file, fsync, rename): a crash leaves the old file or the new one."""
+    text = json.dumps({"version": STATE_VERSION, **_converter.unstructure(record)})
+    temporary = directory / (STATE_FILE + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(temporary, directory / STATE_FILE)
+
+
+def read_record(directory: Path) -> JobRecord:
+    """Raises ValueError when the file is missing or cannot be understood."""
+    try:
+        data = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {directory / STATE_FILE}: {exc}") from None
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        raise ValueError(f"{directory / STATE_FILE} is not a version {STATE_VERSION} job state file")
+    try:
+        return _converter.structure(data, JobRecord)
+    except (cattrs.BaseValidationError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{directory / STATE_FILE} does not describe a job: {exc}") from None
+
+
+# --- a job ---------------------------------------------------------------------------------------
+
+
+class _JobFailed(Exception):
+    """Ends the job Failed with this reason."""
+
+
+class _LineReader:
+    """New complete lines of a file the agent owns, from where the last read stopped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self, *, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self._offset)
+                data = file.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if (final and self._partial) or len(self._partial) > MAX_EVENT_BYTES:
+            lines.append(self._partial)
+            self._partial = b""
+        return [line.decode(errors="replace").rstrip("\r") for line in lines]
+
+
+@attrs.define(eq=False)
+class _Job:
+    spec: TrainSpec
+    directory: Path
+    device: str  # JobStatus.device
+    choice: Choice | None  # None for an adopted job (its device is in ``device``)
+    adopted: bool = False
+    state: str = JobState.SENT
+    progress: Progress = attrs.field(factory=Progress)
+    record: JobRecord | None = None
+    children: list[trio.Process] = attrs.field(factory=list)  # the ones this agent started
+    pidfd: int | None = None  # an adopted child
+    tail: collections.deque[str] = attrs.field(factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    last_sent: float | None = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    ended: tuple[str, str] | None = None  # (Failed, Cancelled or _UPLOADED; reason), set once
+    grace: float = FAILED_GRACE
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory / RUN_DIR
+
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir / OUT_DIR
+
+    def processes(self) -> list[ProcessRecord]:
+        if self.record is None:
+            return []
+        return [p for p in (self.record.child, self.record.converter) if p is not None]
+
+
+class Trainer:
+    """Runs this node's training jobs, one at a time. ``run()`` must be running for the rest."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        *,
+        gpus: Callable[[], Sequence[Gpu]],
+        on_status: Callable[[JobStatus], None],
+        upload: Upload,
+        train_python: str = "python3",
+        run_as: str | None = "llmgw-engine",
+        threads: int | None = None,
+        lora_converter: Path | None = None,
+        check_overlay: bool = True,
+        script: Path | None = None,
+        cpu_count: int | None = None,
+    ) -> None:
+        self._work_dir = work_dir
+        self._jobs_dir = work_dir / "jobs"
+        self._gpus = gpus
+        self._on_status = on_status
+        self._upload_to_server = upload
+        self._python = train_python
+        self._run_as = run_as
+        self._threads = threads
+        self._lora_converter = lora_converter
+        self._check_overlay = check_overlay
+        self._script = script or child_script()
+        self._cpu_count = cpu_count or os.cpu_count() or 1
+        self._overlay: str | None = None  # "" once the Python needs none; the path once installed
+        self._overlay_lock = trio.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._nursery: trio.Nursery | None = None
+        self._recovered = trio.Event()
+
+    # --- the public face ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Adopts what an earlier agent left, reports started, then serves until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._recover()
+            self._recovered.set()
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def start(self, spec: TrainSpec) -> tuple[bool, str]:
+        """Starts a job; returns once it is under way (its states are reported as they come)."""
+        await self._recovered.wait()
+        existing = self._jobs.get(spec.job_id)
+        if existing is not None:
+            if existing.ended is None:
+                return True, "already running"
+            return False, "still stopping; start it again once it has stopped"
+        if self._jobs:
+            other = next(iter(self._jobs))
+            return False, f"job {other} is running on this node, and a node trains one job at a time"
+        problems = [p for p in [job_id_problem(spec.job_id)] if p]
+        problems += spec.params.problems()
+        if not spec.pairs:
+            problems.append("pairs: the job has no question/answer pairs")
+        if problems:
+            return self._refuse(spec, f"invalid job: {'; '.join(problems)}")
+        try:
+            gpus = await trio.to_thread.run_sync(self._gpus)
+        except Exception as exc:  # discovery's own errors say what is wrong
+            return self._refuse(spec, f"cannot read this node's GPUs: {exc}")
+        choice = choose_device(gpus, spec.need_mib)
+        if not choice.ok:
+            return self._refuse(spec, choice.refusal)
+        job = _Job(spec=spec, directory=self._jobs_dir / spec.job_id, device=choice.label, choice=choice)
+        self._jobs[spec.job_id] = job
+        log.info(
+            "starting job %s (adapter %s of %s) on %s", spec.job_id, spec.adapter, spec.model, job.device
+        )
+        self._spawner().start_soon(self._run_job, job)
+        return True, f"starting on {job.device}"
+
+    async def cancel(self, job_id: str, grace: float = 10.0) -> tuple[bool, str]:
+        """Stops a job: SIGTERM to its process group, SIGKILL after ``grace``; its files go.
+
+        Returns once nothing of it is left. A job this agent does not run counts as stopped.
+        """
+        await self._recovered.wait()
+        job = self._jobs.get(job_id)
+        if job is None:
+            return True, "not running"
+        if job.ended is None:
+            job.grace = grace
+            self._end(job, JobState.CANCELLED, "cancelled")
+        await job.done.wait()
+        assert job.ended is not None
+        state, reason = job.ended
+        return True, "cancelled" if state == JobState.CANCELLED else f"it had ended already: {reason}"
+
+    def running(self) -> list[RunningJob]:
+        """The jobs under way (not those being torn down), for Register."""
+        return [
+            RunningJob(job_id=j.spec.job_id, state=j.state) for j in self._jobs.values() if j.ended is None
+        ]
+
+    def own_pids(self) -> frozenset[int]:
+        """Every living process of every job (for discovery's foreign-process check). Blocking."""
+        pgids = [p.pgid for job in self._jobs.values() for p in job.processes() if group_is_ours(p)]
+        return frozenset(members(pgids, process_table()))
+
+    def log_tail(self, job_id: str) -> tuple[str, ...]:
+        job = self._jobs.get(job_id)
+        return tuple(job.tail) if job is not None else ()
+
+    # --- a job's life -------------------------------------------------------------------------
+
+    async def _run_job(self, job: _Job) -> None:
+        """Runs a job to its end, then tears it down. Only an _end reaches the teardown: a
+        cancellation of run() leaves the child running for the next agent."""
+        with job.scope:
+            try:
+                if not job.adopted:
+                    await self._launch(job)
+                if not job.progress.done:
+                    await self._train(job)
+                files = [name for name in job.progress.files]
+                if job.spec.gguf:
+                    files.append(await self._convert(job))
+                await self._upload(job, files)
+                self._end(job, _UPLOADED, "")
+            except _JobFailed as exc:
+                self._end(job, JobState.FAILED, str(exc))
+        await self._teardown(job)
+
+    async def _launch(self, job: _Job) -> None:
+        assert job.choice is not None
+        try:
+            user = await trio.to_thread.run_sync(self._engine_user)
+            await trio.to_thread.run_sync(self._prepare, job, user)
+        except OSError as exc:
+            raise _JobFailed(f"cannot prepare the job's directory: {exc}") from None
+        job.record = JobRecord(spec=attrs.evolve(job.spec, pairs=()), device=job.device)
+        await self._save(job)
+        pythonpath = await self._overlay_path(user)
+        choice = job.choice
+        threads = str(child_threads(self._threads, self._cpu_count, on_gpu=choice.gpu_index is not None))
+        env = {
+            **base_environment(user),
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            # The chosen card only, counted as NVML counts them (as for engines).
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": "" if choice.gpu_index is None else str(choice.gpu_index),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            # Weights come from base_dir; a node that reaches the hub must not fetch anything.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **({"PYTHONPATH": pythonpath} if pythonpath else {}),
+        }
+        argv = [self._python, str(job.run_dir / CHILD_SCRIPT), str(job.run_dir / "child.json")]
+        try:
+            process = await _spawn(
+                argv,
+                env=env,
+                user=user,
+                cwd=job.run_dir,
+                stdout=job.directory / EVENTS_FILE,
+                stderr=job.directory / LOG_FILE,
+            )
+        except OSError as exc:
+            raise _JobFailed(f"cannot start the training child ({self._python}): {exc}") from None
+        job.children.append(process)
+        job.record = attrs.evolve(job.record, child=_record("train", process, argv))
+        await self._save(job)
+        total = job.spec.params.total_steps(len(job.spec.pairs))
+        job.progress = Progress(total_steps=total)
+        self._advance(job, JobState.TRAINING)
+
+    def _prepare(self, job: _Job, user: runas.EngineUser) -> None:
+        """The job's directories and the child's inputs (blocking; in a worker thread)."""
+        self._jobs_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self._jobs_dir, 0o711)
+        shutil.rmtree(job.directory, ignore_errors=True)  # a leftover of an earlier run
+        job.directory.mkdir(mode=0o711)
+        os.chmod(job.directory, 0o711)
+        job.run_dir.mkdir(mode=0o700)
+        job.out_dir.mkdir(mode=0o700)
+        shutil.copyfile(self._script, job.run_dir / CHILD_SCRIPT)
+        params = _converter.unstructure(job.spec.params)
+        child = {
+            "base_dir": job.spec.base_dir,
+            "pairs_path": str(job.run_dir / "pairs.jsonl"),
+            "output_dir": str(job.out_dir),
+            "device": job.choice.child_device if job.choice else "cpu",
+            "params": {**params, "target_modules": list(params["target_modules"])},
+        }
+        _write_private(job.run_dir / "pairs.jsonl", dump_pairs(job.spec.pairs))
+        _write_private(job.run_dir / "child.json", json.dumps(child, indent=1))
+        os.chmod(job.run_dir / CHILD_SCRIPT, 0o600)
+        for path in (
+            job.run_dir,
+            job.out_dir,
+            *(job.run_dir / n for n in (CHILD_SCRIPT, "pairs.jsonl", "child.json")),
+        ):
+            os.chown(path, user.uid, user.gid)
+
+    async def _train(self, job: _Job) -> None:
+        """Follows the child until it exits; returns when it finished, else raises _JobFailed."""
+        events = _LineReader(job.directory / EVENTS_FILE)
+        errors = _LineReader(job.directory / LOG_FILE)
+
+        def read(final: bool = False) -> None:
+            for line in events.read(final=final):
+                job.progress = apply_event(job.progress, line)
+            job.tail.extend(errors.read(final=final))
+
+        async def follow() -> None:
+            while True:
+                before = job.progress
+                read()
+                if job.progress != before and progress_due(job.last_sent, trio.current_time()):
+                    self._report(job)
+                await trio.sleep(FOLLOW_INTERVAL)
+
+        exit_status: int | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow)
+            if job.children:
+                exit_status = await job.children[0].wait()
+            else:
+                assert job.pidfd is not None
+                await wait_for_exit(job.pidfd)
+            nursery.cancel_scope.cancel()
+        read(final=True)
+        await self._stop_leftovers(job)
+        progress = job.progress
+        if progress.error:
+            raise _JobFailed(f"training failed: {progress.error}")
+        if exit_status not in (0, None):
+            raise _JobFailed(f"the training child {describe_exit(exit_status)}")
+        if not progress.done:
+            how = "exited" if exit_status is None else describe_exit(exit_status)
+            raise _JobFailed(f"the training child {how} without reporting done")
+        self._report(job)  # the last step, whatever the rate limit held back
+
+    async def _convert(self, job: _Job) -> str:
+        """Runs llama.cpp's converter on the adapter; returns the GGUF file's name."""
+        self._advance(job, JobState.CONVERTING)
+        try:
+            from llmgw.agent import lora_convert
+        except ImportError:
+            raise _JobFailed("this agent cannot convert adapters to GGUF (lora_convert is missing)") from None
+        script = lora_convert.find_converter(str(self._lora_converter) if self._lora_converter else None)
+        if script is None:
+            where = (
+                f" ({self._lora_converter} is not there, or has no gguf-py beside it)"
+                if self._lora_converter
+                else ""
+            )
+            raise _JobFailed(
+                "the model is served by llama.cpp, so the adapter must be converted to GGUF, and "
+                f"engines.lora_converter{where} must name llama.cpp's convert_lora_to_gguf.py"
+            )
+        user = await trio.to_thread.run_sync(self._engine_user)
+        outfile = job.out_dir / lora_convert.GGUF_NAME
+        argv = lora_convert.convert_argv(self._python, script, job.out_dir, Path(job.spec.base_dir), outfile)
+        env = {**base_environment(user), "OMP_NUM_THREADS": "1", **lora_convert.converter_env(script)}
+        output = job.directory / CONVERT_LOG
+        try:
+            process = await _spawn(argv, env=env, user=user, cwd=job.run_dir, stdout=output, stderr=output)
+        except OSError as exc:
+            raise _JobFailed(f"cannot start the GGUF converter ({self._python}): {exc}") from None
+        job.children.append(process)
+        assert job.record is not None
+        job.record = attrs.evolve(job.record, converter=_record("convert", process, argv))
+        await self._save(job)
+        lines = _LineReader(output)
+        with trio.move_on_after(CONVERT_TIMEOUT) as timeout:
+            status = await process.wait()
+        if timeout.cancelled_caught:
+            raise _JobFailed(f"the GGUF conversion took longer than {CONVERT_TIMEOUT:g}s")
+        job.tail.extend(f"[convert] {line}" for line in lines.read(final=True))
+        if status != 0:
+            raise _JobFailed(f"the GGUF conversion {describe_exit(status)}")
+        return lora_convert.GGUF_NAME
+
+    async def _upload(self, job: _Job, names: list[str]) -> None:
+        """Announces the files (JobStatus Uploading) and sends them, a piece at a time."""
+        user = await trio.to_thread.run_sync(self._engine_user)
+        opened: list[tuple[str, Any]] = []
+        try:
+            for name in names:
+                try:
+                    file = await trio.to_thread.run_sync(_open_output, job.out_dir, name, user)
+                except (OSError, ValueError) as exc:
+                    raise _JobFailed(f"cannot read the output file {name}: {exc}") from None
+                opened.append((name, file))
+            digests = [await trio.to_thread.run_sync(fileobj_digest, name, file) for name, file in opened]
+            job.state = JobState.UPLOADING
+            status = self._status(job, files=tuple(digests))
+
+            async def pieces() -> AsyncIterator[JobPiece]:
+                for name, file in opened:
+                    source = iter_pieces(job.spec.job_id, name, file)
+                    while (piece := await trio.to_thread.run_sync(next, source, None)) is not None:
+                        yield piece
+
+            with trio.move_on_after(UPLOAD_WAIT + _upload_allowance(digests)) as timeout:
+                try:
+                    await self._upload_to_server(status, pieces())
+                except UploadInterrupted as exc:
+                    raise _JobFailed(f"the upload was interrupted: {exc}") from None
+            if timeout.cancelled_caught:
+                raise _JobFailed("the upload did not finish in time (is the link to the server down?)")
+        finally:
+            for _name, file in opened:
+                file.close()
+
+    # --- the end of a job -----------------------------------------------------------------------
+
+    def _end(self, job: _Job, state: str, reason: str) -> None:
+        """Records why the job ends (the first reason wins) and cancels its scope."""
+        if job.ended is None:
+            job.ended = (state, reason)
+            job.scope.cancel()
+
+    async def _teardown(self, job: _Job) -> None:
+        assert job.ended is not None
+        state, reason = job.ended
+        with trio.CancelScope(shield=True):
+            await self._stop_processes(job, job.grace)
+            for child in job.children:
+                child.poll()  # reaps it: it is gone
+            if job.pidfd is not None:
+                os.close(job.pidfd)
+                job.pidfd = None
+            await trio.to_thread.run_sync(shutil.rmtree, job.directory, True)
+        del self._jobs[job.spec.job_id]
+        if state == _UPLOADED:
+            log.info("job %s: its files are sent", job.spec.job_id)
+        else:
+            log.info("job %s %s%s", job.spec.job_id, state.lower(), f": {reason}" if reason else "")
+            job.state = state
+            tail = tuple(job.tail) if state == JobState.FAILED else ()
+            self._on_status(self._status(job, reason=reason, log_tail=tail))
+        job.done.set()
+
+    async def _stop_processes(self, job: _Job, grace: float) -> None:
+        """SIGTERM to each group; SIGKILL what is left after ``grace``."""
+        processes = job.processes()
+        for process in processes:
+            signal_group(process, signal.SIGTERM)
+        if not await self._until_gone(processes, trio.current_time() + grace):
+            for process in processes:
+                signal_group(process, signal.SIGKILL)
+            if not await self._until_gone(processes, trio.current_time() + KILL_WAIT):
+                log.error("job %s: processes outlived SIGKILL by %gs", job.spec.job_id, KILL_WAIT)
+
+    async def _stop_leftovers(self, job: _Job) -> None:
+        """What the child forked and left in its group goes with it (it could hold the card)."""
+        if job.record is not None and job.record.child is not None:
+            signal_group(job.record.child, signal.SIGKILL)
+            await self._until_gone([job.record.child], trio.current_time() + KILL_WAIT)
+
+    @staticmethod
+    async def _until_gone(processes: Sequence[ProcessRecord], deadline: float) -> bool:
+        while True:
+            table = await trio.to_thread.run_sync(process_table)
+            if not members([p.pgid for p in processes if group_is_ours(p)], table):
+                return True
+            if trio.current_time() >= deadline:
+                return False
+            await trio.sleep(GONE_POLL)
+
+    # --- adoption -------------------------------------------------------------------------------
+
+    async def _recover(self) -> None:
+        if not self._jobs_dir.is_dir():
+            return
+        for directory in sorted(self._jobs_dir.iterdir()):
+            if not directory.is_dir():
+                continue
+            try:
+                record = await trio.to_thread.run_sync(read_record, directory)
+            except ValueError as exc:
+                # Nothing in it can be trusted to name processes.
+                log.error("%s; removing %s", exc, directory)
+                await trio.to_thread.run_sync(shutil.rmtree, directory, True)
+                continue
+            job = _Job(spec=record.spec, directory=directory, device=record.device, choice=None, adopted=True)
+            job.record = record
+            self._jobs[record.spec.job_id] = job
+            why_not = await self._adopt(job)
+            if why_not:
+                log.warning("job %s: %s", record.spec.job_id, why_not)
+                self._end(job, JobState.FAILED, why_not)
+                self._spawner().start_soon(self._teardown, job)
+                continue
+            log.info("adopted job %s (%s)", record.spec.job_id, job.state.lower())
+            self._report(job)
+            self._spawner().start_soon(self._run_job, job)
+
+    async def _adopt(self, job: _Job) -> str:
+        """Takes the job over: "" when it can go on, else why not."""
+        record = job.record
+        assert record is not None
+        if record.child is None:
+            return "the agent went down while starting it"
+        # A conversion cut short is done again; its leftover must not write beside the new one.
+        if record.converter is not None:
+            signal_group(record.converter, signal.SIGKILL)
+            job.record = attrs.evolve(record, converter=None)
+        events = _LineReader(job.directory / EVENTS_FILE)
+        for line in await trio.to_thread.run_sync(lambda: events.read(final=True)):
+            job.progress = apply_event(job.progress, line)
+        job.tail.extend(_LineReader(job.directory / LOG_FILE).read(final=True))
+        job.state = JobState.TRAINING
+        pidfd = open_pidfd(record.child)
+        if pidfd is not None:
+            job.pidfd = pidfd
+            return ""
+        if job.progress.done and not job.progress.error:
+            return ""  # it finished while no agent ran: on to conversion and upload
+        return "the training child exited while the agent was down, without reporting done"
+
+    # --- the child's Python ---------------------------------------------------------------------
+
+    async def _overlay_path(self, user: runas.EngineUser) -> str:
+        """The PYTHONPATH the child needs for the pinned peft/accelerate ("" for none); on first
+        use, probes the configured Python and installs the pins into an overlay if it lacks them."""
+        if not self._check_overlay:
+            return ""
+        async with self._overlay_lock:
+            if self._overlay is not None:
+                return self._overlay
+            found = await self._probe(user, "")
+            if not overlay_problems(found):
+                self._overlay = ""
+                return ""
+            target = self._work_dir / "train-overlay" / pins_hash()
+            if not target.is_dir():
+                log.info(
+                    "%s lacks the pinned peft/accelerate (%s); installing them into %s",
+                    self._python,
+                    "; ".join(overlay_problems(found)),
+                    target,
+                )
+                await self._install(user, target)
+            if problems := overlay_problems(await self._probe(user, str(target))):
+                raise _JobFailed(
+                    f"{self._python} cannot run the training child, even with the overlay {target}: "
+                    f"{'; '.join(problems)}"
+                )
+            self._overlay = str(target)
+            return self._overlay
+
+    async def _probe(self, user: runas.EngineUser, pythonpath: str) -> dict[str, str | None] | None:
+        env = {**base_environment(user), **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+        with trio.move_on_after(PROBE_TIMEOUT):
+            try:
+                result = await trio.run_process(
+                    probe_argv(self._python),
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    env=env,
+                    cwd=str(user.home),
+                    start_new_session=True,
+                    **user.credentials(),
+                )
+            except OSError as exc:
+                raise _JobFailed(f"cannot run engines.train_python {self._python!r}: {exc}") from None
+            return parse_probe(result.stdout.decode(errors="replace"))
+        raise _JobFailed(f"{self._python} took longer than {PROBE_TIMEOUT:g}s to import peft and accelerate")
+
+    async def _install(self, user: runas.EngineUser, target: Path) -> None:
+        """pip installs the pins as the engines' user into a fresh directory, renamed into place
+        once complete: a half-done install is never on a child's path."""
+        staging = target.with_name(f"{target.name}.partial")
+
+        def make_staging() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(target.parent, 0o711)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(mode=0o755)
+            os.chown(staging, user.uid, user.gid)
+
+        await trio.to_thread.run_sync(make_staging)
+        env = {**base_environment(user), **{k: os.environ[k] for k in _PIP_ENV if k in os.environ}}
+        with trio.move_on_after(INSTALL_TIMEOUT) as timeout:
+            try:
+                result = await trio.run_process(
+                    install_argv(self._python, str(staging)),
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    env=env,
+                    cwd=str(user.home),
+                    start_new_session=True,
+                    **user.credentials(),
+                )
+            except OSError as exc:
+                raise _JobFailed(f"cannot run {self._python} -m pip: {exc}") from None
+        if timeout.cancelled_caught:
+            raise _JobFailed(f"installing the pinned peft/accelerate took longer than {INSTALL_TIMEOUT:g}s")
+        if result.returncode != 0:
+            lines = (result.stderr or result.stdout).decode(errors="replace").strip().splitlines()
+            last = lines[-1] if lines else describe_exit(result.returncode)
+            raise _JobFailed(f"cannot install the pinned peft/accelerate into {target}: {last}")
+        await trio.to_thread.run_sync(os.rename, staging, target)
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def _engine_user(self) -> runas.EngineUser:
+        user, note = runas.resolve(self._run_as, self._work_dir)
+        if note:
+            log.debug(note)  # the supervisor says it once for the whole agent
+        runas.prepare_home(user)
+        return user
+
+    def _spawner(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise RuntimeError("Trainer.run() is not running")
+        return self._nursery
+
+    async def _save(self, job: _Job) -> None:
+        assert job.record is not None
+        try:
+            await trio.to_thread.run_sync(write_record, job.directory, job.record)
+        except OSError as exc:
+            # Without its state the child could not be adopted, or stopped, after a restart.
+            raise _JobFailed(f"cannot write the job's state file: {exc}") from None
+
+    def _refuse(self, spec: TrainSpec, reason: str) -> tuple[bool, str]:
+        self._on_status(JobStatus(job_id=spec.job_id, state=JobState.FAILED, reason=reason))
+        return False, reason
+
+    def _advance(self, job: _Job, state: str) -> None:
+        if job.ended is None:
+            job.state = state
+            self._report(job)
+
+    def _report(self, job: _Job) -> None:
+        job.last_sent = trio.current_time()
+        self._on_status(self._status(job))
+
+    def _status(self, job: _Job, **details: Any) -> JobStatus:
+        progress = job.progress
+        return JobStatus(
+            job_id=job.spec.job_id,
+            state=job.state,
+            step=progress.step,
+            total_steps=progress.total_steps,
+            loss=progress.loss,
+            peak_mib=progress.peak_mib,
+            device=job.device,
+            **details,
+        )
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+async def _spawn(
+    argv: Sequence[str],
+    *,
+    env: dict[str, str],
+    user: runas.EngineUser,
+    cwd: Path,
+    stdout: Path,
+    stderr: Path,
+) -> trio.Process:
+    """Starts one process as the engines' user in a session (so a process group) of its own,
+    its stdout and stderr in files: they outlive the agent, so a restarted one reads on."""
+    out_fd = open_output(stdout)
+    err_fd = out_fd if stderr == stdout else open_output(stderr)
+    try:
+        return await trio.lowlevel.open_process(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out_fd,
+            stderr=err_fd,
+            env=env,
+            cwd=str(cwd),
+            start_new_session=True,
+            **user.credentials(),
+        )
+    finally:
+        os.close(out_fd)
+        if err_fd != out_fd:
+            os.close(err_fd)
+
+
+def _record(name: str, process: trio.Process, argv: Sequence[str]) -> ProcessRecord:
+    stat_ = read_stat(process.pid)
+    assert stat_ is not None, "an unreaped child has a /proc entry"
+    return ProcessRecord(
+        name=name,
+        pid=process.pid,
+        pgid=stat_.pgrp,
+        argv=tuple(argv),
+        cmdline=read_cmdline(process.pid) or (),
+        start_time=stat_.start_time,
+    )
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w", encoding="utf-8") as file:
+        file.write(text)
+
+
+def _open_output(out_dir: Path, name: str, user: runas.EngineUser) -> Any:
+    """An output file, opened so that the engines' user (who owns the directory) cannot make
+    root read something else: no symbolic link, a regular file, that user's own."""
+    if "/" in name or name in ("", ".", ".."):
+        raise ValueError(f"{name!r} is not a bare file name")
+    dir_fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != user.uid:
+        os.close(fd)
+        raise ValueError("not a regular file of the engines' user")
+    return os.fdopen(fd, "rb")
+
+
+def _upload_allowance(digests: Sequence[FileDigest]) -> float:
+    # A slow link still moves a megabyte a second; beyond that, the link is the problem.
+    return sum(d.size for d in digests) / 2**20
