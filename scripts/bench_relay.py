@@ -41,6 +41,13 @@ STREAM_REQUEST = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, separators=(",", ":")
 ).encode()
 STREAM_CHUNKS = 100  # events per streamed answer, each its own write
+# The same, with a pause between events as an engine generating tokens makes: every event then
+# arrives alone, and the gateway pays a read and a write for each (the worst case per chunk).
+SPACED_STREAM_REQUEST = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "spaced": True},
+    separators=(",", ":"),
+).encode()
+TOKEN_INTERVAL = 0.002
 STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
 CHUNK = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
@@ -106,6 +113,16 @@ def run_benchmark(args: argparse.Namespace) -> None:
             cpu = cpu_seconds(gateway.pid) - cpu_before
             print(
                 f"  streaming: {done} answers of {STREAM_CHUNKS} chunks in {elapsed:.2f} s;"
+                f" gateway CPU {cpu / (done * STREAM_CHUNKS) * 1e6:,.1f} µs/chunk"
+            )
+            count = min(args.requests, 80)
+            cpu_before = cpu_seconds(gateway.pid)
+            done, elapsed, _ = trio.run(
+                load, gateway_port, key, 8, count, args.seconds, SPACED_STREAM_REQUEST
+            )
+            cpu = cpu_seconds(gateway.pid) - cpu_before
+            print(
+                f"  streaming, {TOKEN_INTERVAL * 1e3:g} ms between events: {done} answers;"
                 f" gateway CPU {cpu / (done * STREAM_CHUNKS) * 1e6:,.1f} µs/chunk"
             )
             # What the gateway adds to one request's latency: the same load straight at the engine.
@@ -186,8 +203,11 @@ async def serve_engine() -> None:
                 if b'"stream":true' in body:
                     # One write per event, as an engine sends tokens: the gateway sees each chunk.
                     await engine.send(h11.Response(status_code=200, headers=STREAM_HEADERS))
+                    spaced = b'"spaced":true' in body
                     for _ in range(STREAM_CHUNKS):
                         await engine.send(h11.Data(data=CHUNK))
+                        if spaced:
+                            await trio.sleep(TOKEN_INTERVAL)
                     await engine.send(h11.Data(data=USAGE_EVENT + b"data: [DONE]\n\n"), h11.EndOfMessage())
                 else:
                     await engine.send(head, h11.Data(data=ANSWER), h11.EndOfMessage())
