@@ -10,9 +10,11 @@ from llmgw.server.store import (
     DB_FILENAME,
     MIGRATIONS,
     SCHEMA_VERSION,
+    AdapterRow,
     ApiKeyRow,
     AsyncStore,
     CatalogRow,
+    JobRow,
     NodeRow,
     Store,
     StoreError,
@@ -148,7 +150,7 @@ def test_a_version_2_database_gains_tenants_keys_and_usage(data_dir: Path):
 
     store = Store.open(data_dir)
     try:
-        assert user_version(path) == 3
+        assert user_version(path) == SCHEMA_VERSION
         assert store.list_catalog() == [CatalogRow("model", "m", "{}", "api", 1.0)]
         assert store.list_tenants() == [] and store.list_api_keys() == []
         store.add_tenant(TenantRow("acme", '{"rpm":1}', 2.0))
@@ -346,3 +348,23 @@ async def test_committed_write_survives_kill_9(data_dir: Path):
         store.close()
     assert node is not None
     assert node.state == "online"
+
+
+def test_jobs_are_saved_and_a_finished_job_registers_its_adapter_in_one_transaction(store: Store):
+    pending = JobRow("j-1", "n1", "Pending", 1.0, '{"id": "j-1"}')
+    store.save_jobs([pending, JobRow("j-0", "n2", "Pending", 0.5, "{}")])
+    store.save_jobs([JobRow("j-1", "n1", "Training", 1.0, '{"id": "j-1", "state": "Training"}')])
+    assert [(j.id, j.state) for j in store.list_jobs()] == [("j-0", "Pending"), ("j-1", "Training")]
+
+    adapter = AdapterRow("faq", "m", "j-1", 2.0, '[{"name": "a", "size": 1, "sha256": "00"}]', 1)
+    store.finish_job(JobRow("j-1", "n1", "Succeeded", 1.0, "{}"), adapter)
+    assert store.list_adapters() == [adapter]
+    assert store.list_jobs()[1].state == "Succeeded"
+
+    # A name taken fails the whole step: the other job's row is not written either.
+    with pytest.raises(apsw.ConstraintError):
+        store.finish_job(
+            JobRow("j-0", "n2", "Succeeded", 0.5, "{}"), AdapterRow("faq", "m", "j-0", 3.0, "[]", 0)
+        )
+    assert store.list_jobs()[0].state == "Pending"
+    assert store.list_adapters() == [adapter]

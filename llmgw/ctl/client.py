@@ -6,10 +6,16 @@ failure becomes a :class:`CtlError` whose message tells the operator what to do 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+# Bytes per read of a download: few reads, little memory.
+DOWNLOAD_CHUNK = 256 * 1024
 
 # Long enough for a node ping (the server gives the agent 5 s), short enough that a wrong
 # address does not leave the operator staring at a silent prompt.
@@ -34,11 +40,43 @@ class AdminClient:
     def delete(self, path: str) -> Any:
         return self._request("DELETE", path, None)
 
-    def _request(self, method: str, path: str, body: Any) -> Any:
-        url = self.server + path
+    def download(self, path: str, dest: Path) -> tuple[int, str]:
+        """Streams ``path`` into the new file ``dest`` (0600; an existing file is not replaced);
+        returns its size and sha256 (hex). A failed download leaves no file behind."""
+        req = urllib.request.Request(self.server + path, headers=self._headers(), method="GET")
+        digest, size = hashlib.sha256(), 0
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise CtlError(f"cannot write {dest}: {e.strerror}") from None
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    with urllib.request.urlopen(req, timeout=TIMEOUT) as response:
+                        while chunk := response.read(DOWNLOAD_CHUNK):
+                            out.write(chunk)
+                            digest.update(chunk)
+                            size += len(chunk)
+                except urllib.error.HTTPError as e:
+                    raise CtlError(self._http_error_message(e)) from None
+                except urllib.error.URLError as e:
+                    raise CtlError(self._unreachable_message(e.reason)) from None
+                except OSError as e:
+                    raise CtlError(self._unreachable_message(e)) from None
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+        return size, digest.hexdigest()
+
+    def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    def _request(self, method: str, path: str, body: Any) -> Any:
+        url = self.server + path
+        headers = self._headers()
         data = None
         if body is not None:
             data = json.dumps(body).encode()

@@ -340,3 +340,160 @@ def usage_table(group_by: list[str], rows: list[dict]) -> Table:
             Text(f"{row['avg_latency_ms']:,.0f} ms"),
         )
     return table
+
+
+# --- training jobs and adapters -----------------------------------------------------------------
+
+JOB_STATE_STYLES = {
+    "Pending": "yellow",
+    "Sent": "yellow",
+    "Training": "cyan",
+    "Converting": "cyan",
+    "Uploading": "cyan",
+    "Succeeded": "green",
+    "Failed": "red",
+    "Cancelled": "yellow",
+}
+JOB_PHASES = ("queue", "train", "convert", "upload", "total")
+
+
+def job_state_text(job: dict) -> Text:
+    text = Text(job["state"], style=JOB_STATE_STYLES.get(job["state"], ""))
+    if job.get("cancel_requested") and job["state"] not in ("Succeeded", "Failed", "Cancelled"):
+        text.append(" (cancelling)", style="yellow")
+    return text
+
+
+def steps_text(job: dict) -> str:
+    return f"{job['step']}/{job['total_steps']}" if job["total_steps"] else "-"
+
+
+def loss_text(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
+
+
+def seconds_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes}m{rest:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def jobs_table(jobs: list[dict], now: float) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("ID", "ADAPTER", "MODEL", "NODE", "STATE", "STEPS", "LOSS", "PEAK", "AGE", "REASON"):
+        table.add_column(column, no_wrap=column != "REASON", overflow="fold")
+    for job in jobs:
+        table.add_row(
+            job["id"],
+            job["adapter"],
+            job["model"],
+            job["node"],
+            job_state_text(job),
+            steps_text(job),
+            loss_text(job["loss"]),
+            f"{job['peak_mib']:,} MiB" if job["peak_mib"] else "-",
+            age(now - job["created"]).removesuffix(" ago"),
+            job["reason"],
+        )
+    return table
+
+
+def render_job(job: dict, now: float, console: Console) -> None:
+    """A job's header, progress, the wall time of each phase, its files and its log tail."""
+    header = Text()
+    header.append(job["id"], style="bold")
+    header.append("  ")
+    header.append_text(job_state_text(job))
+    header.append(f"  adapter {job['adapter']}  model {job['model']}  node {job['node']}")
+    header.append(f"  age {age(now - job['created'])}")
+    console.print(header)
+    if job["reason"]:
+        console.print(job["reason"])
+    params = job["params"]
+    console.print(
+        f"weights {job['base_dir']}  pairs {job['pairs']}  gguf {'yes' if job['gguf'] else 'no'}"
+        f"  needs {job['need_mib']:,} MiB" + ("" if job["need_mib"] else " (cpu)")
+    )
+    console.print(
+        f"rank {params['rank']}  alpha {params['alpha']}  targets {','.join(params['target_modules'])}"
+        f"  lr {params['learning_rate']:g}  batch {params['batch_size']}  max len {params['max_seq_len']}"
+        f"  seed {params['seed']}  "
+        + (f"steps {params['steps']}" if params["steps"] else f"epochs {params['epochs']}")
+    )
+    console.print(
+        f"steps {steps_text(job)}  loss {loss_text(job['loss'])}  "
+        f"peak {job['peak_mib']:,} MiB  device {job['device'] or '-'}"
+    )
+    if job.get("upload"):
+        console.print(f"upload {job['upload']['received']:,} of {job['upload']['total']:,} bytes")
+    timings = Table(box=None, pad_edge=False, title="wall time", title_justify="left")
+    for phase in JOB_PHASES:
+        timings.add_column(phase.upper(), justify="right")
+    timings.add_row(*(seconds_text(job["timings"].get(phase)) for phase in JOB_PHASES))
+    console.print(timings)
+    if job["files"]:
+        console.print(files_table(job["files"]))
+    if job.get("log_tail"):
+        console.print(Text("log tail", style="bold"))
+        for line in job["log_tail"]:
+            console.print(Text("  " + line))
+
+
+def size_text(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def files_table(files: list[dict]) -> Table:
+    table = Table(box=None, pad_edge=False, title="files", title_justify="left")
+    for column in ("FILE", "SIZE", "SHA256"):
+        table.add_column(column, no_wrap=True, justify="right" if column == "SIZE" else "left")
+    for f in files:
+        table.add_row(f["name"], size_text(f["size"]), f["sha256"])
+    return table
+
+
+def adapters_table(adapters: list[dict], now: float) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "MODEL", "FILES", "SIZE", "GGUF", "JOB", "CREATED"):
+        table.add_column(column, no_wrap=column != "FILES", justify="right" if column == "SIZE" else "left")
+    for adapter in adapters:
+        table.add_row(
+            Text(adapter["name"]),
+            Text(adapter["model"]),
+            Text(", ".join(f["name"] for f in adapter["files"])),
+            Text(size_text(sum(f["size"] for f in adapter["files"]))),
+            Text("yes" if adapter["gguf"] else "no"),
+            Text(adapter["job_id"]),
+            Text(date_text(adapter["created"])),
+        )
+    return table
+
+
+def job_progress():
+    """The live bar `ctl train` follows a job with: state, bar, steps, loss, peak memory, ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("{task.fields[state]:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("peak {task.fields[peak]}"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=make_console(),
+    )
+
+
+def progress_fields(job: dict) -> dict:
+    return {
+        "state": job["state"],
+        "loss": loss_text(job["loss"]),
+        "peak": f"{job['peak_mib']:,} MiB" if job["peak_mib"] else "-",
+    }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -25,11 +26,16 @@ from werkzeug.exceptions import HTTPException
 
 from llmgw import __version__
 from llmgw.config import structure_catalog
+from llmgw.core import jobs as core_jobs
 from llmgw.core.catalog import Profile
 from llmgw.core.keys import engine_key
 from llmgw.core.replica import Replica
 from llmgw.server import tokens
 from llmgw.server.catalog import Catalog, CatalogError, Entry, Invalid, NotFound, Refused, spec_options
+from llmgw.server.jobs import Adapter, JobError, JobManager
+from llmgw.server.jobs import Conflict as JobConflict
+from llmgw.server.jobs import Invalid as JobInvalid
+from llmgw.server.jobs import NotFound as JobNotFound
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
 from llmgw.server.replicas import ReplicaManager
 from llmgw.server.tenants import (
@@ -84,6 +90,7 @@ async def serve_admin(
     replicas: ReplicaManager | None = None,
     tenants: Tenants | None = None,
     usage: UsageRecorder | None = None,
+    jobs: JobManager | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -98,7 +105,14 @@ async def serve_admin(
         # hypercorn reports its binds as URLs ("http://127.0.0.1:40313", "http://[::1]:40313")
         # made from getsockname(), so the port in them is the one actually bound.
         app = make_app(
-            registry, catalog, admin_digest, engine_secret, replicas=replicas, tenants=tenants, usage=usage
+            registry,
+            catalog,
+            admin_digest,
+            engine_secret,
+            replicas=replicas,
+            tenants=tenants,
+            usage=usage,
+            jobs=jobs,
         )
         binds = await nursery.start(serve, app, config)
         task_status.started(urlsplit(binds[0]).port)
@@ -113,10 +127,13 @@ def make_app(
     replicas: ReplicaManager | None = None,
     tenants: Tenants | None = None,
     usage: UsageRecorder | None = None,
+    jobs: JobManager | None = None,
 ) -> QuartTrio:
     app = QuartTrio(__name__)
     if tenants is not None:
         _add_tenant_routes(app, tenants)
+    if jobs is not None:
+        _add_job_routes(app, jobs)
     if usage is not None:
         _add_usage_routes(app, usage)
 
@@ -351,6 +368,139 @@ def _add_usage_routes(app: QuartTrio, usage: UsageRecorder) -> None:
 
 
 DEFAULT_USAGE_GROUPS = "tenant,model,day"
+
+# Bytes per read of an adapter file being downloaded: big enough for few reads, small in memory.
+DOWNLOAD_CHUNK = 256 * 1024
+
+
+def _add_job_routes(app: QuartTrio, jobs: JobManager) -> None:
+    @app.post("/admin/v1/jobs")
+    async def create_job() -> Response:
+        try:
+            job = await jobs.create(await request.get_json(silent=True))
+        except JobError as e:
+            return _job_error(e, "no job was created")
+        log.info(
+            "jobs: %s created through the admin API (adapter %s for %s on node %s, %d pairs)",
+            job.id,
+            job.spec.adapter,
+            job.spec.model,
+            job.node,
+            len(job.spec.pairs),
+        )
+        response = jsonify(job_json(job, jobs, time.time()))
+        response.status_code = 201
+        return response
+
+    @app.get("/admin/v1/jobs")
+    async def list_jobs() -> Response:
+        now = time.time()
+        return jsonify(jobs=[job_json(job, jobs, now, with_log=False) for job in jobs.list()])
+
+    @app.get("/admin/v1/jobs/<job_id>")
+    async def show_job(job_id: str) -> Response:
+        job = jobs.get(job_id)
+        if job is None:
+            return _error(404, "not_found", f'job "{job_id}" not found')
+        return jsonify(job_json(job, jobs, time.time()))
+
+    @app.post("/admin/v1/jobs/<job_id>/cancel")
+    async def cancel_job(job_id: str) -> Response:
+        try:
+            job = await jobs.cancel(job_id)
+        except JobError as e:
+            return _job_error(e, "the job is unchanged")
+        log.info("jobs: %s cancel requested through the admin API (now %s)", job_id, job.state)
+        return jsonify(job_json(job, jobs, time.time()))
+
+    @app.get("/admin/v1/adapters")
+    async def list_adapters() -> Response:
+        return jsonify(adapters=[adapter_json(adapter) for adapter in jobs.list_adapters()])
+
+    @app.get("/admin/v1/adapters/<name>/files/<file>")
+    async def download_adapter_file(name: str, file: str) -> Response:
+        try:
+            path, digest = jobs.adapter_file(name, file)
+        except JobError as e:
+            return _job_error(e, "")
+
+        async def chunks():
+            async with await trio.open_file(path, "rb") as f:
+                while chunk := await f.read(DOWNLOAD_CHUNK):
+                    yield chunk
+
+        response = Response(chunks(), mimetype="application/octet-stream")
+        response.headers["Content-Length"] = str(digest.size)
+        response.headers["X-Llmgw-Sha256"] = digest.sha256
+        response.timeout = None  # a big file on a slow link takes as long as it takes
+        return response
+
+
+_JOB_STATUS = {
+    JobInvalid: (400, "invalid_request"),
+    JobConflict: (409, "conflict"),
+    JobNotFound: (404, "not_found"),
+}
+
+
+def _job_error(e: JobError, outcome: str) -> Response:
+    status, kind = _JOB_STATUS[type(e)]
+    if len(e.problems) == 1:
+        message = e.problems[0]
+    else:
+        message = f"{outcome}:" + "".join(f"\n  {problem}" for problem in e.problems)
+    response = jsonify(error={"message": message, "type": kind, "problems": e.problems})
+    response.status_code = status
+    return response
+
+
+def job_json(job: core_jobs.Job, jobs: JobManager, now: float, *, with_log: bool = True) -> dict:
+    """A job as the API shows it: its spec without the pairs (their count instead), its state and
+    progress, and the wall time of each phase."""
+    spec = job.spec
+    data = {
+        "id": job.id,
+        "node": job.node,
+        "model": spec.model,
+        "adapter": spec.adapter,
+        "base_dir": spec.base_dir,
+        "need_mib": spec.need_mib,
+        "gguf": spec.gguf,
+        "params": converter.unstructure(spec.params),
+        "pairs": len(spec.pairs),
+        "state": job.state,
+        "reason": job.reason,
+        "cancel_requested": job.cancel_requested,
+        "created": job.created,
+        "sent": job.sent,
+        "training": job.training,
+        "converting": job.converting,
+        "uploading": job.uploading,
+        "finished": job.finished,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "loss": job.loss,
+        "peak_mib": job.peak_mib,
+        "device": job.device,
+        "files": [converter.unstructure(f) for f in job.files],
+        "timings": core_jobs.timings(job, now),
+    }
+    upload = jobs.upload_progress(job.id)
+    data["upload"] = None if upload is None else {"received": upload[0], "total": upload[1]}
+    if with_log:
+        data["log_tail"] = list(job.log_tail)
+    return data
+
+
+def adapter_json(adapter: Adapter) -> dict:
+    return {
+        "name": adapter.name,
+        "model": adapter.model,
+        "job_id": adapter.job_id,
+        "created": adapter.created,
+        "gguf": adapter.gguf,
+        "files": [converter.unstructure(f) for f in adapter.files],
+    }
 
 
 def tenant_json(tenant: Tenant, tenants: Tenants) -> dict:

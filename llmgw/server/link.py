@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import attrs
 import trio
@@ -22,12 +23,27 @@ from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
 from llmgw.server.nodes import NodeRegistry
 from llmgw.wire.h2link import LINK_PATH, H2Link, LinkClosed
-from llmgw.wire.messages import Goodbye, Heartbeat, Message, Register, Registered, ShardStatus
+from llmgw.wire.messages import (
+    Goodbye,
+    Heartbeat,
+    JobPiece,
+    JobStatus,
+    Message,
+    Register,
+    Registered,
+    ShardStatus,
+)
 
 log = logging.getLogger(__name__)
 
 # How long a closing session tries to deliver its Goodbye before dropping the connection.
 GOODBYE_GRACE = 1.0
+
+
+class JobReports(Protocol):
+    """Where a node's job reports go (the job manager)."""
+
+    async def on_message(self, node: str, message: Message) -> None: ...
 
 
 @attrs.define
@@ -47,10 +63,14 @@ class AgentSession:
         self._pending: dict[int, _Pending] = {}
         self._cancel = trio.CancelScope()
         self._close_reason: str | None = None
+        # Set once Registered is sent (or the session ended): a command sent before it would
+        # reach an agent still waiting for Registered as its first answer.
+        self.registered = trio.Event()
 
     async def call(self, command: Message) -> Message:
         """Sends a command with a fresh id and waits for the reply that names it. Callers bound
         the wait with ``trio.fail_after``; a link that ends first raises LinkClosed."""
+        await self.registered.wait()
         command = attrs.evolve(command, id=next(self._ids))
         pending = self._pending[command.id] = _Pending()
         try:
@@ -67,14 +87,21 @@ class AgentSession:
         self._close_reason = reason
         self._cancel.cancel()
 
-    async def run(self, on_message: Callable[[Message], None]) -> str:
-        """Runs until the link ends; returns why."""
+    async def run(
+        self,
+        on_message: Callable[[Message], None],
+        on_job_message: Callable[[Message], Awaitable[None]] | None = None,
+    ) -> str:
+        """Runs until the link ends; returns why. Job reports also go to ``on_job_message``,
+        awaited before the next message is taken: an upload's pieces are written as they come,
+        and a slow disk slows the agent down through the stream's flow control instead of
+        filling the server's memory."""
         reason = "closed by the server"
         with self._cancel:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_heartbeats)
                 nursery.start_soon(self.link.close_when_silent, self._liveness.window)
-                reason = await self._receive(on_message)
+                reason = await self._receive(on_message, on_job_message)
                 nursery.cancel_scope.cancel()
         for pending in self._pending.values():
             pending.done.set()  # callers see LinkClosed
@@ -87,7 +114,11 @@ class AgentSession:
                     pass
         return reason
 
-    async def _receive(self, on_message: Callable[[Message], None]) -> str:
+    async def _receive(
+        self,
+        on_message: Callable[[Message], None],
+        on_job_message: Callable[[Message], Awaitable[None]] | None,
+    ) -> str:
         try:
             while True:
                 message = await self.link.receive()
@@ -99,6 +130,8 @@ class AgentSession:
                     pending.reply = message
                     pending.done.set()
                 on_message(message)
+                if on_job_message is not None and isinstance(message, JobStatus | JobPiece):
+                    await on_job_message(message)
         except LinkClosed as exc:
             return str(exc)
 
@@ -119,8 +152,10 @@ class LinkListener:
         *,
         handshake_timeout: float,
         ssl_context: ssl.SSLContext | None = None,
+        jobs: JobReports | None = None,
     ) -> None:
         self._registry = registry
+        self._jobs = jobs
         self._join_digest = join_token_digest
         self._handshake_timeout = handshake_timeout
         self._ssl_context = ssl_context
@@ -159,17 +194,23 @@ class LinkListener:
             return
         session = AgentSession(link, register.node, self._registry.liveness)
         await self._registry.attach(session, register)
-        await link.send(
-            Registered(
-                node=register.node,
-                server_version=__version__,
-                heartbeat_interval=self._registry.liveness.interval,
-                missed_heartbeats=self._registry.liveness.missed,
-            )
-        )
         try:
-            reason = await session.run(lambda message: self._on_message(register.node, message))
+            await link.send(
+                Registered(
+                    node=register.node,
+                    server_version=__version__,
+                    heartbeat_interval=self._registry.liveness.interval,
+                    missed_heartbeats=self._registry.liveness.missed,
+                )
+            )
+            session.registered.set()
+            jobs = self._jobs
+            reason = await session.run(
+                lambda message: self._on_message(register.node, message),
+                None if jobs is None else lambda message: jobs.on_message(register.node, message),
+            )
         finally:
+            session.registered.set()  # commands waiting for it now see the link closed
             self._registry.detach(session, link.closed_reason or "ended")
         log.debug("session of node %s ended: %s", register.node, reason)
 

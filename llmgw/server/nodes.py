@@ -96,6 +96,16 @@ class Node:
         return self.session is not None
 
 
+class NodeWatcher(Protocol):
+    """Told when a node registers, loses its link, or is declared lost (the job manager)."""
+
+    def node_attached(self, node: str, register: Register) -> None: ...
+
+    def node_detached(self, node: str) -> None: ...
+
+    def node_lost(self, node: str) -> None: ...
+
+
 class NodeUnavailable(Exception):
     """A command was addressed to a node that has no live link."""
 
@@ -110,6 +120,7 @@ class NodeRegistry:
         # Bumped whenever what the reconciler sees changes: a node comes, goes, is lost, or one
         # of its shards changes state.
         self.changes = Changes()
+        self.watchers: list[NodeWatcher] = []
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -165,6 +176,8 @@ class NodeRegistry:
         node.session = session
         node.registrations += 1
         node.shards = {s.spec.shard_id: Shard.from_running(s, wall) for s in register.shards}
+        for watcher in self.watchers:
+            watcher.node_attached(node.name, register)
         self.changes.bump()
         if previous_session is not None:
             log.info("node %s: a new link replaces the old one", node.name)
@@ -228,6 +241,8 @@ class NodeRegistry:
             return  # already replaced by a newer link
         node.session = None
         log.info("node %s disconnected: %s", node.name, reason)
+        for watcher in self.watchers:
+            watcher.node_detached(node.name)
         self._mark_dirty(node.name)
         self.changes.bump()
 
@@ -241,6 +256,9 @@ class NodeRegistry:
                 continue
             node.state, node.state_since = state, wall
             log.warning("node %s is %s: nothing heard for %.1fs", node.name, state, now - node.last_heard)
+            if state is NodeState.LOST:
+                for watcher in self.watchers:
+                    watcher.node_lost(node.name)
             # A connected node that went silent has its link closed by the link's own watchdog,
             # which applies the same rule.
             self._mark_dirty(node.name)

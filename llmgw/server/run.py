@@ -32,6 +32,7 @@ from llmgw.server import tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.gate import ControlPlaneGate
+from llmgw.server.jobs import JobManager
 from llmgw.server.link import LinkListener
 from llmgw.server.metrics import EngineScraper
 from llmgw.server.nodes import NodeRegistry
@@ -73,11 +74,15 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             len(catalog.profiles()),
             len(config.models) + len(config.profiles),
         )
+        # Training jobs: loaded after the nodes, since a job whose node is gone fails at once.
+        jobs = JobManager(store, registry, catalog, config.data_dir)
+        await jobs.load()
         listener = LinkListener(
             registry,
             join_digest,
             handshake_timeout=config.link.handshake_timeout,
             ssl_context=_server_ssl_context(config),
+            jobs=jobs,
         )
         tenants = await Tenants.load(store)
         usage = UsageRecorder(store)
@@ -113,11 +118,13 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             ttft_targets=lambda model: _ttft_target(catalog, model),
         )
         async with trio.open_nursery() as nursery:
+            # Before the link listens: a registering agent's jobs are re-attached by it.
+            await nursery.start(jobs.run)
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
             )
             admin_port = await nursery.start(
-                functools.partial(serve_admin, replicas=replicas, tenants=tenants, usage=usage),
+                functools.partial(serve_admin, replicas=replicas, tenants=tenants, usage=usage, jobs=jobs),
                 registry,
                 catalog,
                 admin_digest,

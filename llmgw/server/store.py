@@ -97,6 +97,30 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         CREATE INDEX usage_tenant_time ON usage (tenant, time);
         """,
     ),
+    (
+        4,
+        """
+        -- Training jobs. The columns are what queries need; the record (JSON) is the whole job,
+        -- its pairs included, so a Pending job can still be sent after a restart.
+        CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            node TEXT NOT NULL,
+            state TEXT NOT NULL,
+            created REAL NOT NULL,
+            record TEXT NOT NULL
+        ) STRICT;
+        CREATE INDEX jobs_created ON jobs (created);
+        -- Adapters kept by the server; a row exists only once its files are complete on disk.
+        CREATE TABLE adapters (
+            name TEXT PRIMARY KEY,
+            model TEXT NOT NULL,
+            job_id TEXT NOT NULL,
+            created REAL NOT NULL,
+            files TEXT NOT NULL,  -- JSON list of {"name", "size", "sha256"}
+            gguf INTEGER NOT NULL  -- 1 when adapter.gguf is among the files
+        ) STRICT;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -180,6 +204,31 @@ class UsageRecord:
 
 
 _USAGE_COLUMNS = "time, tenant, key_id, model, replica, prompt_tokens, completion_tokens, latency_ms, status"
+
+
+@attrs.frozen
+class JobRow:
+    id: str
+    node: str
+    state: str
+    created: float
+    record: str  # JSON text; decoding it is the caller's business
+
+
+_JOB_COLUMNS = "id, node, state, created, record"
+
+
+@attrs.frozen
+class AdapterRow:
+    name: str
+    model: str
+    job_id: str
+    created: float
+    files: str  # JSON text
+    gguf: int  # 0 or 1
+
+
+_ADAPTER_COLUMNS = "name, model, job_id, created, files, gguf"
 
 # What usage can be summarised by, as SQL. Only these reach the query text; days are UTC.
 USAGE_GROUPS = {"tenant": "tenant", "model": "model", "day": "date(time, 'unixepoch')"}
@@ -358,6 +407,36 @@ class Store:
                 "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL", (now, key_id)
             )
             return self._conn.changes() == 1
+
+    # --- training jobs and adapters -----------------------------------------------------------
+
+    def save_jobs(self, rows: Sequence[JobRow]) -> None:
+        """Writes these jobs' rows as given, in one transaction (the job manager is the authority)."""
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT OR REPLACE INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                [attrs.astuple(row) for row in rows],
+            )
+
+    def list_jobs(self) -> list[JobRow]:
+        rows = self._conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY created, id")
+        return [JobRow(*row) for row in rows]
+
+    def list_adapters(self) -> list[AdapterRow]:
+        rows = self._conn.execute(f"SELECT {_ADAPTER_COLUMNS} FROM adapters ORDER BY name")
+        return [AdapterRow(*row) for row in rows]
+
+    def finish_job(self, job: JobRow, adapter: AdapterRow) -> None:
+        """A job succeeded: its row and its adapter's, in one transaction, so an adapter is never
+        listed without its job saying Succeeded, nor the other way round. A name already taken
+        fails the whole transaction (apsw.ConstraintError, as StoreError through AsyncStore)."""
+        with self._conn:
+            self._conn.execute(
+                f"INSERT INTO adapters ({_ADAPTER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", attrs.astuple(adapter)
+            )
+            self._conn.execute(
+                f"INSERT OR REPLACE INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?)", attrs.astuple(job)
+            )
 
     # --- usage --------------------------------------------------------------------------------
 
