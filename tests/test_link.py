@@ -194,7 +194,8 @@ async def test_a_new_link_from_the_same_node_replaces_the_old_one(tmp_path):
         second = make_agent("twin", server.port, server.token, max_delay=30)
         nursery.start_soon(second.run)
         await wait_for(lambda: server.registry.get("twin").session is not old_session, "the second link")
-        assert old_session.link.closed
+        # The old link closes in its own task, after its Goodbye.
+        await wait_for(lambda: old_session.link.closed, "the old link closed")
         nursery.cancel_scope.cancel()
 
 

@@ -420,7 +420,7 @@ async def test_cancel_stops_the_whole_group_even_a_child_ignoring_sigterm(
     assert agent.last().state == JobState.CANCELLED and agent.last().log_tail == ()
     assert not lab.job_dir("job-1").exists()
     assert agent.trainer.running() == []
-    assert await agent.trainer.cancel("job-1", grace=0.5) == (True, "not running")
+    assert await agent.trainer.cancel("job-1", grace=0.5) == (False, "not running")
 
 
 async def test_one_job_at_a_time(nursery: trio.Nursery, lab: Lab) -> None:

@@ -389,12 +389,13 @@ class Trainer:
     async def cancel(self, job_id: str, grace: float = 10.0) -> tuple[bool, str]:
         """Stops a job: SIGTERM to its process group, SIGKILL after ``grace``; its files go.
 
-        Returns once nothing of it is left. A job this agent does not run counts as stopped.
+        Returns once nothing of it is left. A job this agent does not run is refused ("not
+        running"): the server then ends it at once instead of waiting for a Cancelled status.
         """
         await self._recovered.wait()
         job = self._jobs.get(job_id)
         if job is None:
-            return True, "not running"
+            return False, "not running"
         if job.ended is None:
             job.grace = grace
             self._end(job, JobState.CANCELLED, "cancelled")
