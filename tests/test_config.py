@@ -741,6 +741,7 @@ profiles:
     flags: [--enable-prefix-caching]
     adapters:
       - {name: sql, path: /adapters/sql}
+      - {name: support, source: support-bot}
     max_replicas: 3
     band: -1
     startup_timeout: 15m
@@ -767,7 +768,11 @@ def test_catalog_sections() -> None:
         "qwen-h100", 2, 2, 2, 2
     )  # fmt: skip
     assert gpu.flags == ("--enable-prefix-caching",)
-    assert gpu.adapters == (Adapter(name="sql", path="/adapters/sql"),)
+    # A path on the nodes, or an adapter the server keeps and delivers.
+    assert gpu.adapters == (
+        Adapter(name="sql", path="/adapters/sql"),
+        Adapter(name="support", source="support-bot"),
+    )
     assert (gpu.max_replicas, gpu.band, gpu.startup_timeout, gpu.spread) == (3, -1, 900.0, True)
 
 
@@ -823,9 +828,13 @@ MODEL = "models:\n  m: {path: org/m, format: safetensors}\n"
         (MODEL + PROFILE + "    memory_mib: 1\n    flags: [--a, 2]\n",
          "server.yaml: profiles.chat.flags[1]: expected a string, got 2"),
         (MODEL + PROFILE + "    memory_mib: 1\n    adapters: [{name: a}]\n",
-         "server.yaml: profiles.chat.adapters[0].path: required option is missing"),
+         "server.yaml: profiles.chat.adapters[0].path: set path (files on the node) or source (a stored adapter)"),
         (MODEL + PROFILE + "    memory_mib: 1\n    adapters: [{name: a, path: b, rank: 8}]\n",
-         "server.yaml: profiles.chat.adapters[0].rank: unknown key (expected one of: name, path)"),
+         "server.yaml: profiles.chat.adapters[0].rank: unknown key (expected one of: name, path, source, files)"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    adapters: [{name: a, path: b, source: c}]\n",
+         "server.yaml: profiles.chat.adapters[0]: set path (files on the node) or source (a stored adapter), not both"),
+        (MODEL + PROFILE + "    memory_mib: 1\n    adapters: [{name: a, source: C!}]\n",
+         "server.yaml: profiles.chat.adapters[0].source: 'C!' is not an adapter name"),
         (MODEL + PROFILE + "    memory_mib: 1\n    startup_timeout: soon\n",
          'server.yaml: profiles.chat.startup_timeout: expected a duration like 5s, 500ms or 2.5, got "soon"'),
         (MODEL + PROFILE + "    memory_mib: 1\n    startup_timeout: 0s\n",

@@ -24,9 +24,11 @@ from llmgw.core.backoff import reconnect_delay
 from llmgw.core.liveness import Liveness
 from llmgw.core.pieces import UploadInterrupted
 from llmgw.core.shard import ShardSpec
-from llmgw.core.training import TrainSpec
+from llmgw.core.training import FileDigest, TrainSpec
 from llmgw.wire.h2link import H2Link, LinkClosed, LinkRefused
 from llmgw.wire.messages import (
+    AdapterDone,
+    AdapterPiece,
     CancelJob,
     CommandResult,
     DrainShard,
@@ -38,6 +40,7 @@ from llmgw.wire.messages import (
     Message,
     Ping,
     Pong,
+    PutAdapter,
     Register,
     Registered,
     RunningJob,
@@ -79,6 +82,18 @@ class JobHost(Protocol):
     def running(self) -> list[RunningJob]: ...
 
 
+class AdapterHost(Protocol):
+    """What the link needs from the node's adapter copies (llmgw.agent.adapters)."""
+
+    async def put(self, name: str, files: tuple[FileDigest, ...]) -> tuple[bool, str]: ...
+
+    async def piece(self, piece: AdapterPiece) -> None: ...
+
+    async def done(self, name: str) -> tuple[bool, str]: ...
+
+    async def abandon(self) -> None: ...
+
+
 class JoinRefused(Exception):
     """The server will not take this agent (wrong join token, bad node name)."""
 
@@ -99,6 +114,7 @@ class AgentLink:
         rng: random.Random | None = None,
         shards: ShardHost | None = None,
         jobs: JobHost | None = None,
+        adapters: AdapterHost | None = None,
     ) -> None:
         self.node = node
         self._host, self._port = host, port
@@ -110,6 +126,7 @@ class AgentLink:
         self._rng = rng or random.Random()
         self._shards = shards
         self._jobs = jobs
+        self._adapters = adapters
         self._status_send, self._status_receive = trio.open_memory_channel[ShardStatus](math.inf)
         # The latest status of each job not yet sent, oldest first. Unlike shard statuses these
         # survive a reconnect (Register lists running jobs, but not how one ended), and only the
@@ -178,6 +195,9 @@ class AgentLink:
                     self._session_up = trio.Event()
                 with trio.CancelScope(shield=True):
                     await link.aclose("agent closing the link")
+                    if self._adapters is not None:
+                        # Pieces of another session would not continue this one's.
+                        await self._adapters.abandon()
                 nursery.cancel_scope.cancel()
         if refused is not None:
             raise refused
@@ -300,7 +320,21 @@ class AgentLink:
                             pass
                         case Ping(id=command_id, payload=payload):
                             await link.send(Pong(reply_to=command_id, payload=payload, node=self.node))
-                        case StartShard() | StopShard() | DrainShard() | StartJob() | CancelJob():
+                        case AdapterPiece():
+                            # In the receive loop, in order: a piece is written before the next
+                            # message is read (flow control holds the server back meanwhile),
+                            # so every piece is in before the AdapterDone that follows them.
+                            if self._adapters is not None:
+                                await self._adapters.piece(message)
+                        case (
+                            StartShard()
+                            | StopShard()
+                            | DrainShard()
+                            | StartJob()
+                            | CancelJob()
+                            | PutAdapter()
+                            | AdapterDone()
+                        ):
                             nursery.start_soon(_until_closed, execute, message)
                         case _:
                             log.warning("ignoring a %s from the server: unknown here", type(message).__name__)
@@ -311,10 +345,12 @@ class AgentLink:
                 nursery.cancel_scope.cancel()
 
     async def _execute(
-        self, command: StartShard | StopShard | DrainShard | StartJob | CancelJob
+        self, command: StartShard | StopShard | DrainShard | StartJob | CancelJob | PutAdapter | AdapterDone
     ) -> CommandResult:
         if isinstance(command, StartJob | CancelJob):
             return await self._execute_job(command)
+        if isinstance(command, PutAdapter | AdapterDone):
+            return await self._execute_adapter(command)
         if self._shards is None:
             return CommandResult(reply_to=command.id, ok=False, message="this agent runs no shards")
         match command:
@@ -339,6 +375,18 @@ class AgentLink:
             case CancelJob(job_id=job_id, grace=grace):
                 log.info("cancel job %s", job_id)
                 ok, message = await self._jobs.cancel(job_id, grace)
+        return CommandResult(reply_to=command.id, ok=ok, message=message)
+
+    async def _execute_adapter(self, command: PutAdapter | AdapterDone) -> CommandResult:
+        if self._adapters is None:
+            return CommandResult(reply_to=command.id, ok=False, message="this agent keeps no adapters")
+        match command:
+            case PutAdapter(name=name, files=files):
+                ok, message = await self._adapters.put(name, files)
+            case AdapterDone(name=name):
+                ok, message = await self._adapters.done(name)
+        if not ok:
+            log.warning("adapter %s: %s", command.name, message)
         return CommandResult(reply_to=command.id, ok=ok, message=message)
 
 

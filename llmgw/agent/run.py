@@ -17,6 +17,7 @@ from pathlib import Path
 
 import trio
 
+from llmgw.agent.adapters import AdapterCache
 from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.agent.link import AgentLink
@@ -98,7 +99,10 @@ def _packaged_llama_server() -> str | None:
 
 
 def make_link(
-    config: AgentConfig, supervisor: Supervisor | None, trainer: Trainer | None = None
+    config: AgentConfig,
+    supervisor: Supervisor | None,
+    trainer: Trainer | None = None,
+    adapters: AdapterCache | None = None,
 ) -> AgentLink:
     def discover_node(local_address: str):
         # GPU memory held by our own shards and training jobs is not foreign; own_pids reads
@@ -121,6 +125,7 @@ def make_link(
         max_delay=config.reconnect.max_delay,
         shards=supervisor,
         jobs=trainer,
+        adapters=adapters,
     )
 
 
@@ -160,6 +165,9 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
     os.chmod(config.work_dir, 0o711)
     link: AgentLink | None = None
     trainer: Trainer | None = None
+    # Stored adapters' copies: the link receives them, the supervisor hands them to engines.
+    adapters = AdapterCache(config.work_dir, config.engines.run_as)
+    await trio.to_thread.run_sync(adapters.clear_incoming)
     supervisor = Supervisor(
         config.work_dir,
         binaries=engine_binaries(config),
@@ -170,9 +178,10 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
         leader_wait=config.engines.leader_wait,
         # An adopted training child holds GPU memory that no shard describes: not foreign.
         also_ours=lambda: trainer.own_pids() if trainer is not None else frozenset(),
+        adapters=adapters,
     )
     trainer = make_trainer(config, supervisor, lambda: link)
-    link = make_link(config, supervisor, trainer)
+    link = make_link(config, supervisor, trainer, adapters)
     log.info("llmgw agent %s connecting to %s", link.node, config.server.address)
     try:
         async with trio.open_nursery() as nursery:

@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from llmgw.agent import runas, shard_state
+from llmgw.agent.adapters import AdapterCache, NotDelivered
 from llmgw.agent.discovery.nvml import gpu_memory_by_pid
 from llmgw.agent.probe import ProbeFailed, busy_requests, http_get
 from llmgw.agent.processes import (
@@ -134,8 +135,11 @@ class Supervisor:
         leader_wait: float = 600.0,
         health_interval: float = 1.0,
         also_ours: Callable[[], frozenset[int]] | None = None,
+        adapters: AdapterCache | None = None,
     ) -> None:
         self._work_dir = work_dir
+        # Where the stored adapters a shard names were delivered (by the link).
+        self._adapters = adapters or AdapterCache(work_dir, run_as)
         # Pids that are ours though no shard describes them (training children); blocking.
         self._also_ours = also_ours
         self._shards_dir = work_dir / "shards"
@@ -181,7 +185,15 @@ class Supervisor:
         try:
             if problem := shard_state.id_problem(spec.shard_id):
                 raise InvalidShard([problem])
-            plan = build_plan(spec, engine_key=engine_key, binaries=self._binaries)
+            # Stored adapters become paths on this node for the command line only: the spec kept
+            # and reported stays the server's.
+            launched = spec
+            if any(adapter.source for adapter in spec.adapters):
+                launched = await trio.to_thread.run_sync(self._adapters.resolve, spec)
+            plan = build_plan(launched, engine_key=engine_key, binaries=self._binaries)
+        except NotDelivered as exc:
+            self._emit(spec, ShardState.FAILED, reason=str(exc))
+            return False, str(exc)
         except InvalidShard as exc:
             self._emit(spec, ShardState.FAILED, reason=f"invalid shard: {exc}")
             return False, f"invalid shard: {exc}"

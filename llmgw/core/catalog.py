@@ -16,11 +16,21 @@ from collections.abc import Mapping
 
 import attrs
 
-from llmgw.core.shard import ENGINES, LAUNCHERS, Adapter
+from llmgw.core.shard import ENGINES, LAUNCHERS, Adapter, ShardSpec
+from llmgw.core.training import ADAPTER_NAME, FileDigest
 
 frozen = attrs.frozen(kw_only=True)
 
 MODEL_FORMATS = ("gguf", "safetensors")
+# What each engine loads of a stored adapter: llama.cpp one GGUF file (--lora FILE), vLLM and
+# SGLang peft's directory (name=DIR), of which they read these two files.
+GGUF_ADAPTER_FILE = "adapter.gguf"
+PEFT_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+ENGINE_ADAPTER_FILES = {
+    "llamacpp": (GGUF_ADAPTER_FILE,),
+    "vllm": PEFT_ADAPTER_FILES,
+    "sglang": PEFT_ADAPTER_FILES,
+}
 _DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 
 # Names travel in URLs, table columns, log lines and one-line errors, so no spaces or control
@@ -66,6 +76,19 @@ class Profile:
     # Placement's score: False packs replicas onto the fullest nodes that fit, keeping whole
     # nodes free for large profiles; True spreads them over the emptiest.
     spread: bool = False
+
+
+@frozen
+class StoredAdapter:
+    """An adapter the server keeps (a training job made it), as profiles may name it."""
+
+    name: str
+    model: str  # the catalog model it was trained for
+    files: tuple[FileDigest, ...]
+
+
+class AdapterUnavailable(Exception):
+    """A shard names a stored adapter that cannot be served; the message says which and why."""
 
 
 def name_problem(name: str) -> str | None:
@@ -126,7 +149,83 @@ def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[
         reasons.append(
             ("min_replicas", f"{profile.min_replicas} is above max_replicas {profile.max_replicas}")
         )
+    reasons.extend(_adapter_reasons(profile))
     return reasons
+
+
+def _adapter_reasons(profile: Profile) -> list[tuple[str, str]]:
+    reasons = []
+    names = [adapter.name for adapter in profile.adapters]
+    for index, adapter in enumerate(profile.adapters):
+        where = f"adapters[{index}]"
+        if not adapter.name:
+            reasons.append((f"{where}.name", "empty: clients ask for an adapter by its name"))
+        elif names.index(adapter.name) != index:
+            reasons.append((f"{where}.name", f"{adapter.name!r} is given twice"))
+        if adapter.path and adapter.source:
+            reasons.append((where, "set path (files on the node) or source (a stored adapter), not both"))
+        elif not adapter.path and not adapter.source:
+            reasons.append((f"{where}.path", "set path (files on the node) or source (a stored adapter)"))
+        elif adapter.source and not ADAPTER_NAME.fullmatch(adapter.source):
+            reasons.append((f"{where}.source", f"{adapter.source!r} is not an adapter name"))
+        if adapter.files:
+            # Filled in by the server from what it keeps, so that nodes get exactly those files.
+            reasons.append((f"{where}.files", "set by the server from the stored adapter; leave it out"))
+    return reasons
+
+
+def stored_adapter_problems(profile: Profile, stored: Mapping[str, StoredAdapter]) -> list[str]:
+    """Why the stored adapters ``profile`` names cannot be served by it (empty when they can):
+    each must be kept, be of the profile's model, and have the files its engine loads."""
+    problems = []
+    for index, adapter in enumerate(profile.adapters):
+        if not adapter.source:
+            continue
+        where = f"profiles.{profile.name}.adapters[{index}].source"
+        try:
+            served_files(profile.engine, profile.model, stored.get(adapter.source), adapter.source)
+        except AdapterUnavailable as e:
+            problems.append(f"{where}: {e}")
+    return problems
+
+
+def served_files(
+    engine: str, model: str, stored: StoredAdapter | None, source: str
+) -> tuple[FileDigest, ...]:
+    """The files of stored adapter ``source`` that ``engine`` loads, serving ``model``; raises
+    AdapterUnavailable when it is not kept, is another model's, or lacks one of them."""
+    if stored is None:
+        raise AdapterUnavailable(f"no stored adapter {source!r} of model {model!r}")
+    if stored.model != model:
+        raise AdapterUnavailable(
+            f"stored adapter {source!r} was trained for model {stored.model!r}, not {model!r}"
+        )
+    by_name = {f.name: f for f in stored.files}
+    needed = ENGINE_ADAPTER_FILES.get(engine, ())
+    missing = [name for name in needed if name not in by_name]
+    if missing == [GGUF_ADAPTER_FILE]:
+        raise AdapterUnavailable(
+            f"stored adapter {source!r} has no GGUF file, which llama.cpp loads "
+            "(train it again with a llama.cpp profile in the catalog, or serve it with vLLM or SGLang)"
+        )
+    if missing:
+        raise AdapterUnavailable(f"stored adapter {source!r} lacks {', '.join(missing)}")
+    return tuple(by_name[name] for name in needed)
+
+
+def with_stored_files(spec: ShardSpec, stored: Mapping[str, StoredAdapter]) -> ShardSpec:
+    """``spec`` with the files of every stored adapter it names filled in; raises
+    AdapterUnavailable, naming the adapter, when one cannot be served."""
+    adapters = []
+    for adapter in spec.adapters:
+        if adapter.source:
+            try:
+                files = served_files(spec.engine, spec.model, stored.get(adapter.source), adapter.source)
+            except AdapterUnavailable as e:
+                raise AdapterUnavailable(f"adapter {adapter.name!r}: {e}") from None
+            adapter = attrs.evolve(adapter, files=files)
+        adapters.append(adapter)
+    return attrs.evolve(spec, adapters=tuple(adapters))
 
 
 def _bounds(profile: Profile) -> list[tuple[str, str]]:

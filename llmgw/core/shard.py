@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.core.training import FileDigest
+
 frozen = attrs.frozen(kw_only=True)
 
 ENGINES = ("vllm", "sglang", "llamacpp")
@@ -47,10 +49,16 @@ class Fabric:
 
 @frozen
 class Adapter:
-    """A LoRA adapter loaded when the engine starts."""
+    """A LoRA adapter loaded when the engine starts: files already on the node (``path``), or an
+    adapter the server keeps (``source``), whose files the server delivers to the node before the
+    shard starts. A profile sets exactly one of the two."""
 
     name: str  # the model name clients ask for to get it
-    path: str  # its weights on the node
+    path: str = ""  # its weights on the node; for a stored adapter, filled in by the agent
+    source: str = ""  # the name of an adapter kept by the server (``llmgw ctl adapters``)
+    # A stored adapter's files the engine needs, filled in by the server when it sends the shard:
+    # the agent finds the delivered copy by them, so a re-made adapter is never taken for the old.
+    files: tuple[FileDigest, ...] = ()
 
 
 @frozen

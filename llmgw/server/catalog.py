@@ -28,14 +28,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import trio
 
 from llmgw.config import converter, structure_catalog
-from llmgw.core.catalog import Model, Profile, name_problem, validate_model, validate_profile
+from llmgw.core.catalog import (
+    Model,
+    Profile,
+    StoredAdapter,
+    name_problem,
+    stored_adapter_problems,
+    validate_model,
+    validate_profile,
+)
 from llmgw.server.changes import Changes
 from llmgw.server.store import AsyncStore, CatalogRow, Store, StoreError
 
@@ -93,6 +101,9 @@ class Catalog:
             self._table(entry.kind)[entry.name] = entry
         self._lock = trio.Lock()
         self.changes = Changes()
+        # The adapters the server keeps (the job manager's), which profiles may name as a
+        # ``source``; set once they are loaded. Until then none is kept.
+        self.stored_adapters: Callable[[], Mapping[str, StoredAdapter]] = dict
 
     @classmethod
     async def load(cls, store: AsyncStore, models: Sequence[Model], profiles: Sequence[Profile]) -> Catalog:
@@ -261,8 +272,10 @@ class Catalog:
         after = self.models() | {model.name: model for model in models}
         for model in models:
             problems += validate_model(model)
+        stored = self.stored_adapters()
         for profile in profiles:
             problems += validate_profile(profile, after)
+            problems += stored_adapter_problems(profile, stored)
         # A profile already here must still hold with a model this change replaces.
         applied = {profile.name for profile in profiles}
         replaced = {model.name for model in models}
@@ -281,6 +294,15 @@ class Catalog:
                     problem,
                     entry.name,
                 )
+
+    def warn_about_unservable_adapters(self) -> None:
+        """Logs each profile naming a stored adapter it cannot serve (server.yaml is read before
+        the adapters are; an adapter may go after its profile came): its replicas fail to start
+        with the same reason, until the profile or the adapter is fixed."""
+        stored = self.stored_adapters()
+        for entry in self._profiles.values():
+            for problem in stored_adapter_problems(entry.spec, stored):
+                log.warning("catalog: %s; its replicas cannot start", problem)
 
     def _bump(self) -> None:
         self.changes.bump()

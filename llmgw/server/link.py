@@ -82,6 +82,12 @@ class AgentSession:
             raise LinkClosed(self.link.closed_reason or "the link ended")
         return pending.reply
 
+    async def send(self, message: Message) -> None:
+        """Sends a message that is not a command (no reply is awaited: an adapter's pieces, whose
+        command after them is answered once all arrived). A link that ends raises LinkClosed."""
+        await self.registered.wait()
+        await self.link.send(message)
+
     def close(self, reason: str) -> None:
         """Ends the session without waiting: its own task says goodbye and closes the link."""
         self._close_reason = reason

@@ -42,6 +42,8 @@ class Session(Protocol):
 
     async def call(self, command: Message) -> Message: ...
 
+    async def send(self, message: Message) -> None: ...
+
     def close(self, reason: str) -> None: ...
 
 
@@ -313,6 +315,12 @@ class NodeRegistry:
         )
 
     # --- commands -------------------------------------------------------------------------------
+
+    def session(self, name: str) -> Session | None:
+        """The node's live link, for exchanges that must stay on one link (an adapter's
+        delivery: pieces sent on a newer link would continue nothing there)."""
+        node = self._nodes.get(name)
+        return None if node is None else node.session
 
     async def call(self, name: str, command: Message) -> Message:
         """Sends a command to a node's agent and returns its reply (bound it with fail_after)."""

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import trio
 
-from llmgw.core.catalog import Profile
+from llmgw.core.catalog import AdapterUnavailable, Profile, StoredAdapter, with_stored_files
 from llmgw.core.keys import engine_key
 from llmgw.core.liveness import NodeState
 from llmgw.core.placement import ClusterView, GpuView, NodeView
@@ -45,6 +45,7 @@ from llmgw.core.reconcile import (
 from llmgw.core.replica import Replica, ReplicaShard, ReplicaState, state_of_shards
 from llmgw.core.scaling import LoadSignals, ScaleState, desired_replicas
 from llmgw.core.shard import Fabric, ShardSpec
+from llmgw.server.adapters import AdapterDelivery, DeliveryFailed, delivery_timeout
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
 from llmgw.wire.h2link import LinkClosed
@@ -69,6 +70,8 @@ class ReplicaManager:
         config: ReconcileConfig | None = None,
         on_pass: Callable[[], None] | None = None,
         signals: Callable[[Profile, list[Replica]], LoadSignals] | None = None,
+        stored_adapters: Callable[[], Mapping[str, StoredAdapter]] | None = None,
+        delivery: AdapterDelivery | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -77,6 +80,10 @@ class ReplicaManager:
         self._on_pass = on_pass  # told after every pass (the gateway's admission: capacity changed)
         # A profile's load (gateway queue, engines' metrics) for scaling; None: each profile's min.
         self._signals = signals
+        # The adapters the server keeps, and how their files reach a node: a shard serving one
+        # starts only once its node holds it. None: no adapter is kept (none can be served).
+        self._stored_adapters = stored_adapters
+        self._delivery = delivery
         self._wanted: dict[str, tuple[int, ScaleState]] = {}  # per profile: count and its history
         self._records: dict[str, Replica] = {}
         # Per shard: the node's registration count when its start was answered. A shard missing
@@ -299,6 +306,12 @@ class ReplicaManager:
             self._send_stop(ref, StopShard(id=0, shard_id=ref.shard_id))
 
     async def _start_shard(self, node: str, spec: ShardSpec) -> None:
+        try:
+            spec = await self._deliver_adapters(node, spec)
+        except (AdapterUnavailable, DeliveryFailed) as exc:
+            self._shard_failed(spec.replica_id, spec.shard_id, f"cannot start on {node}: {exc}")
+            self._kick.set()
+            return
         command = StartShard(id=0, spec=spec, engine_key=self.key_of(spec.replica_id))
         registrations = self._registry.get(node).registrations if self._registry.get(node) else 0
         try:
@@ -313,6 +326,28 @@ class ReplicaManager:
             message = reply.message if isinstance(reply, CommandResult) else "unexpected reply"
             self._shard_failed(spec.replica_id, spec.shard_id, f"{node} refused to start it: {message}")
         self._kick.set()
+
+    async def _deliver_adapters(self, node: str, spec: ShardSpec) -> ShardSpec:
+        """``spec`` with its stored adapters' files named, once ``node`` holds them all; raises
+        AdapterUnavailable (not kept, or unfit) or DeliveryFailed (it did not get there)."""
+        if not any(adapter.source for adapter in spec.adapters):
+            return spec
+        stored = self._stored_adapters() if self._stored_adapters is not None else {}
+        spec = with_stored_files(spec, stored)
+        for adapter in spec.adapters:
+            if not adapter.source:
+                continue
+            if self._delivery is None:
+                raise DeliveryFailed(f"adapter {adapter.source}: this server delivers no adapters")
+            try:
+                with trio.fail_after(delivery_timeout(adapter.files)):
+                    await self._delivery.ensure(node, adapter.source, adapter.files)
+            except trio.TooSlowError:
+                raise DeliveryFailed(
+                    f"adapter {adapter.source}: delivery to {node} took over "
+                    f"{delivery_timeout(adapter.files):.0f} s"
+                ) from None
+        return spec
 
     def _send_stop(self, ref: ShardRef, command: StopShard | DrainShard) -> None:
         if (ref.node, ref.shard_id) in self._stopping:

@@ -20,7 +20,7 @@ import trio
 
 from llmgw.config import ServerConfig
 from llmgw.core import keys
-from llmgw.core.catalog import Profile
+from llmgw.core.catalog import Profile, StoredAdapter
 from llmgw.core.liveness import Liveness
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.core.replica import Replica, ReplicaState
@@ -29,6 +29,7 @@ from llmgw.core.scaling import LoadSignals
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server import tokens
+from llmgw.server.adapters import AdapterDelivery
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.gate import ControlPlaneGate
@@ -77,6 +78,16 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         # Training jobs: loaded after the nodes, since a job whose node is gone fails at once.
         jobs = JobManager(store, registry, catalog, config.data_dir)
         await jobs.load()
+
+        def stored_adapters() -> dict[str, StoredAdapter]:
+            return {
+                a.name: StoredAdapter(name=a.name, model=a.model, files=a.files) for a in jobs.list_adapters()
+            }
+
+        # Profiles may name the adapters jobs made; a node gets one's files before serving it.
+        catalog.stored_adapters = stored_adapters
+        catalog.warn_about_unservable_adapters()
+        delivery = AdapterDelivery(registry.session, lambda name, file: jobs.adapter_file(name, file)[0])
         listener = LinkListener(
             registry,
             join_digest,
@@ -104,6 +115,8 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             reconcile_config(config),
             on_pass=lambda: gate and gate.redispatch(),
             signals=load_of,
+            stored_adapters=stored_adapters,
+            delivery=delivery,
         )
         router = ReplicaRouter(
             catalog, replicas, registry, load=lambda rid: scraper.load(rid) if scraper else None

@@ -302,6 +302,42 @@ class Goodbye:
     reason: str = ""
 
 
+@frozen
+class PutAdapter:
+    """Before a shard that serves a stored adapter starts: does the node hold these files?
+
+    The agent answers CommandResult ok with "present" when its copy holds exactly these files,
+    or "send": AdapterPiece messages follow (files in this order), then AdapterDone.
+    """
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    name: str  # the stored adapter's name
+    files: tuple[FileDigest, ...] = ()
+
+
+@frozen
+class AdapterPiece:
+    """One piece of one file of a stored adapter, server to agent; same rules as JobPiece."""
+
+    name: str  # the stored adapter's name (PutAdapter.name)
+    file: str  # FileDigest.name
+    index: int
+    count: int
+    data: str  # base64 of at most PIECE_BYTES bytes
+    sha256: str  # hex digest of this piece's bytes
+
+
+@frozen
+class AdapterDone:
+    """Every piece of the adapter was sent: answered ok once each file verified and the copy is in
+    place; not ok (with why) otherwise, and then nothing of it is kept."""
+
+    id: int
+    trace: dict[str, str] = attrs.field(factory=dict)
+    name: str
+
+
 Message = (
     Register
     | Registered
@@ -318,6 +354,9 @@ Message = (
     | JobStatus
     | JobPiece
     | Goodbye
+    | PutAdapter
+    | AdapterPiece
+    | AdapterDone
 )
 MESSAGE_TYPES: tuple[type, ...] = (
     Register,
@@ -335,4 +374,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     JobStatus,
     JobPiece,
     Goodbye,
+    PutAdapter,
+    AdapterPiece,
+    AdapterDone,
 )

@@ -194,7 +194,13 @@ def _flags_and_names(spec: ShardSpec) -> list[str]:
     for name in sorted({n for n in names if names.count(n) > 1}):
         reasons.append(f"adapter name {name!r} is given twice")
     for adapter in spec.adapters:
-        if not adapter.name or not adapter.path:
+        if adapter.source and not adapter.path:
+            # The agent fills the path in once the server has delivered the stored adapter.
+            reasons.append(
+                f"adapter {adapter.name!r}: stored adapter {adapter.source!r} has no path on this node "
+                "(not delivered)"
+            )
+        elif not adapter.name or not adapter.path:
             reasons.append(f"adapter {adapter.name!r} at {adapter.path!r} needs both a name and a path")
         elif "=" in adapter.name and spec.engine != "llamacpp":
             # vLLM and SGLang take adapters as name=path.
