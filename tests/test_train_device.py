@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.core.train_device import (
-    PINS,
-    child_threads,
-    choose_device,
-    install_argv,
-    overlay_problems,
-    parse_probe,
-    pins_hash,
-    probe_argv,
-)
+from llmgw.core.train_device import child_threads, choose_device
 from llmgw.wire.messages import Gpu
 
 
@@ -105,38 +92,3 @@ def test_threads(cpus: int, configured: int | None, on_gpu: bool) -> None:
         assert threads == 1
     else:
         assert threads == max(1, cpus - 1) and threads >= 1
-
-
-def test_pins_and_argvs() -> None:
-    assert PINS == (("peft", "0.21.2"), ("accelerate", "1.15.0"))
-    argv = install_argv("/opt/vllm/bin/python", "/w/train-overlay/abc")
-    assert argv[:4] == ["/opt/vllm/bin/python", "-m", "pip", "install"]
-    assert {"--no-deps", "--target"} <= set(argv) and argv[argv.index("--only-binary") + 1] == ":all:"
-    assert argv[argv.index("--target") + 1] == "/w/train-overlay/abc"
-    assert argv[-2:] == ["peft==0.21.2", "accelerate==1.15.0"]
-    assert not any("torch" in part for part in argv)
-    assert len(pins_hash()) == 16 and pins_hash() != pins_hash((("peft", "0.22.0"), ("accelerate", "1.15.0")))
-
-
-def test_the_probe_runs_and_says_what_is_missing() -> None:
-    fake = (("json", "x"), ("llmgw_no_such_module", "1.0"))
-    result = subprocess.run(probe_argv(sys.executable, fake), capture_output=True, text=True, check=True)
-    found = parse_probe(result.stdout)
-    assert found == {"json": json.__version__, "llmgw_no_such_module": None}
-    assert overlay_problems(found, fake) == [
-        f"json is {json.__version__} (need x)",
-        "llmgw_no_such_module is missing (need 1.0)",
-    ]
-
-
-def test_the_probe_decision() -> None:
-    assert overlay_problems({"peft": "0.21.2", "accelerate": "1.15.0"}) == []
-    assert overlay_problems({"peft": "0.21.2", "accelerate": "1.14.0"}) == [
-        "accelerate is 1.14.0 (need 1.15.0)"
-    ]
-    assert overlay_problems(None) == ["the probe printed no versions (does this Python run at all?)"]
-    assert parse_probe("noise\n") is None and parse_probe("") is None and parse_probe("[1]") is None
-    assert parse_probe('warning\n{"peft": "0.21.2", "accelerate": 3}\n') == {
-        "peft": "0.21.2",
-        "accelerate": None,
-    }

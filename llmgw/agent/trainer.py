@@ -62,17 +62,9 @@ from llmgw.agent.processes import (
     signal_group,
     wait_for_exit,
 )
+from llmgw.agent.train_overlay import Overlay, OverlayFailed
 from llmgw.core.pieces import UploadInterrupted, fileobj_digest, iter_pieces
-from llmgw.core.train_device import (
-    Choice,
-    child_threads,
-    choose_device,
-    install_argv,
-    overlay_problems,
-    parse_probe,
-    pins_hash,
-    probe_argv,
-)
+from llmgw.core.train_device import Choice, child_threads, choose_device
 from llmgw.core.training import FileDigest, JobState, TrainSpec, dump_pairs
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
 
@@ -101,27 +93,12 @@ FAILED_GRACE = 10.0
 # After SIGKILL: a process in uninterruptible sleep (a GPU driver call) takes a moment to go.
 KILL_WAIT = 10.0
 GONE_POLL = 0.1
-# Importing peft imports torch, which on a cold disk takes a while.
-PROBE_TIMEOUT = 300.0
-INSTALL_TIMEOUT = 900.0
+# The converter imports torch and rewrites every tensor of the adapter.
 CONVERT_TIMEOUT = 1800.0
 # An upload waits this long for the link to be up before the job fails.
 UPLOAD_WAIT = 300.0
 # A job id becomes a directory name: nothing that could leave the jobs directory.
 _SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-# Only these outside variables reach pip: how this site reaches a package index.
-_PIP_ENV = (
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "NO_PROXY",
-    "http_proxy",
-    "https_proxy",
-    "no_proxy",
-    "PIP_INDEX_URL",
-    "PIP_EXTRA_INDEX_URL",
-    "PIP_TRUSTED_HOST",
-    "PIP_CERT",
-)
 _UPLOADED = "Uploaded"  # the agent's last word on a job that went well; the server says Succeeded
 
 _converter = cattrs.Converter(forbid_extra_keys=False)
@@ -337,8 +314,7 @@ class Trainer:
         self._check_overlay = check_overlay
         self._script = script or child_script()
         self._cpu_count = cpu_count or os.cpu_count() or 1
-        self._overlay: str | None = None  # "" once the Python needs none; the path once installed
-        self._overlay_lock = trio.Lock()
+        self._overlay = Overlay(train_python, work_dir / "train-overlay")
         self._jobs: dict[str, _Job] = {}
         self._nursery: trio.Nursery | None = None
         self._recovered = trio.Event()
@@ -448,7 +424,10 @@ class Trainer:
             raise _JobFailed(f"cannot prepare the job's directory: {exc}") from None
         job.record = JobRecord(spec=attrs.evolve(job.spec, pairs=()), device=job.device)
         await self._save(job)
-        pythonpath = await self._overlay_path(user)
+        try:
+            pythonpath = await self._overlay.path(user) if self._check_overlay else ""
+        except OverlayFailed as exc:
+            raise _JobFailed(str(exc)) from None
         choice = job.choice
         threads = str(child_threads(self._threads, self._cpu_count, on_gpu=choice.gpu_index is not None))
         env = {
@@ -731,92 +710,6 @@ class Trainer:
         if job.progress.done and not job.progress.error:
             return ""  # it finished while no agent ran: on to conversion and upload
         return "the training child exited while the agent was down, without reporting done"
-
-    # --- the child's Python ---------------------------------------------------------------------
-
-    async def _overlay_path(self, user: runas.EngineUser) -> str:
-        """The PYTHONPATH the child needs for the pinned peft/accelerate ("" for none); on first
-        use, probes the configured Python and installs the pins into an overlay if it lacks them."""
-        if not self._check_overlay:
-            return ""
-        async with self._overlay_lock:
-            if self._overlay is not None:
-                return self._overlay
-            found = await self._probe(user, "")
-            if not overlay_problems(found):
-                self._overlay = ""
-                return ""
-            target = self._work_dir / "train-overlay" / pins_hash()
-            if not target.is_dir():
-                log.info(
-                    "%s lacks the pinned peft/accelerate (%s); installing them into %s",
-                    self._python,
-                    "; ".join(overlay_problems(found)),
-                    target,
-                )
-                await self._install(user, target)
-            if problems := overlay_problems(await self._probe(user, str(target))):
-                raise _JobFailed(
-                    f"{self._python} cannot run the training child, even with the overlay {target}: "
-                    f"{'; '.join(problems)}"
-                )
-            self._overlay = str(target)
-            return self._overlay
-
-    async def _probe(self, user: runas.EngineUser, pythonpath: str) -> dict[str, str | None] | None:
-        env = {**base_environment(user), **({"PYTHONPATH": pythonpath} if pythonpath else {})}
-        with trio.move_on_after(PROBE_TIMEOUT):
-            try:
-                result = await trio.run_process(
-                    probe_argv(self._python),
-                    capture_stdout=True,
-                    capture_stderr=True,
-                    check=False,
-                    env=env,
-                    cwd=str(user.home),
-                    start_new_session=True,
-                    **user.credentials(),
-                )
-            except OSError as exc:
-                raise _JobFailed(f"cannot run engines.train_python {self._python!r}: {exc}") from None
-            return parse_probe(result.stdout.decode(errors="replace"))
-        raise _JobFailed(f"{self._python} took longer than {PROBE_TIMEOUT:g}s to import peft and accelerate")
-
-    async def _install(self, user: runas.EngineUser, target: Path) -> None:
-        """pip installs the pins as the engines' user into a fresh directory, renamed into place
-        once complete: a half-done install is never on a child's path."""
-        staging = target.with_name(f"{target.name}.partial")
-
-        def make_staging() -> None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.chmod(target.parent, 0o711)
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(mode=0o755)
-            os.chown(staging, user.uid, user.gid)
-
-        await trio.to_thread.run_sync(make_staging)
-        env = {**base_environment(user), **{k: os.environ[k] for k in _PIP_ENV if k in os.environ}}
-        with trio.move_on_after(INSTALL_TIMEOUT) as timeout:
-            try:
-                result = await trio.run_process(
-                    install_argv(self._python, str(staging)),
-                    capture_stdout=True,
-                    capture_stderr=True,
-                    check=False,
-                    env=env,
-                    cwd=str(user.home),
-                    start_new_session=True,
-                    **user.credentials(),
-                )
-            except OSError as exc:
-                raise _JobFailed(f"cannot run {self._python} -m pip: {exc}") from None
-        if timeout.cancelled_caught:
-            raise _JobFailed(f"installing the pinned peft/accelerate took longer than {INSTALL_TIMEOUT:g}s")
-        if result.returncode != 0:
-            lines = (result.stderr or result.stdout).decode(errors="replace").strip().splitlines()
-            last = lines[-1] if lines else describe_exit(result.returncode)
-            raise _JobFailed(f"cannot install the pinned peft/accelerate into {target}: {last}")
-        await trio.to_thread.run_sync(os.rename, staging, target)
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
