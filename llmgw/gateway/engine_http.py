@@ -15,6 +15,8 @@ from __future__ import annotations
 import httptools
 import trio
 
+from llmgw.gateway.rawio import RawSocket
+
 # One receive per read; SSE events and JSON answers are usually far smaller.
 RECEIVE_SIZE = 64 * 1024
 # An engine's head is a few hundred bytes; one that never ends is broken, not slow.
@@ -30,6 +32,7 @@ class EngineConnection:
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
+        self._raw = RawSocket(stream)
         self.reused = False  # it carried an earlier request (a kept-alive connection)
         self.received = 0  # bytes read so far: did the engine say anything since a given moment?
         self._parser = httptools.HttpResponseParser(self)
@@ -63,7 +66,7 @@ class EngineConnection:
     # --- the caller's side ---------------------------------------------------------------------
 
     async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
+        await self._raw.send_all(data)
 
     async def read_head(self) -> int:
         """Wait for the answer's head; its status (headers are in ``headers``)."""
@@ -97,7 +100,7 @@ class EngineConnection:
         await trio.aclose_forcefully(self.stream)
 
     async def _receive(self) -> None:
-        data = await self.stream.receive_some(RECEIVE_SIZE)
+        data = await self._raw.receive(RECEIVE_SIZE)
         if not data:
             if self._head_done and self._reads_until_close():
                 self._complete = True  # a body without length or chunks ends with the connection

@@ -9,6 +9,8 @@ from __future__ import annotations
 import h11
 import trio
 
+from llmgw.gateway.rawio import RawSocket
+
 # One receive per read; SSE chunks and request bodies are usually far smaller.
 RECEIVE_SIZE = 64 * 1024
 
@@ -16,6 +18,7 @@ RECEIVE_SIZE = 64 * 1024
 class H11Stream:
     def __init__(self, stream: trio.SocketStream, role: type) -> None:
         self.stream = stream
+        self._raw = RawSocket(stream)
         self.conn = h11.Connection(role)
         self.reused = False  # it carried an earlier request (a kept-alive connection)
         self.received = 0  # bytes read so far: did the peer say anything since a given moment?
@@ -24,7 +27,7 @@ class H11Stream:
         """Send `events` in one write: a head, its body and its end cost one syscall, not three."""
         data = b"".join(self.conn.send(event) or b"" for event in events)
         if data:
-            await self.stream.send_all(data)
+            await self._raw.send_all(data)
 
     async def next_event(self) -> h11.Event:
         while True:
@@ -32,7 +35,7 @@ class H11Stream:
             if event is not h11.NEED_DATA:
                 return event
             # b"" (the peer closed) becomes ConnectionClosed, or a RemoteProtocolError mid-message.
-            data = await self.stream.receive_some(RECEIVE_SIZE)
+            data = await self._raw.receive(RECEIVE_SIZE)
             self.received += len(data)
             self.conn.receive_data(data)
 
