@@ -26,7 +26,6 @@ import h11
 import trio
 
 from llmgw.gateway import StaticRouter, Upstream, serve_gateway
-from llmgw.gateway.h11_stream import H11Stream
 
 ANSWER = json.dumps(
     {
@@ -190,29 +189,41 @@ async def serve_and_say_port(serve) -> None:
 
 
 async def serve_engine() -> None:
+    """The fake engine: h11 over trio's own SocketStream (not the gateway's socket code, so its
+    pace, one write and one yield per event as an engine sending tokens, is its own)."""
+
     async def connection(stream: trio.SocketStream) -> None:
-        engine = H11Stream(stream, h11.SERVER)
+        conn = h11.Connection(h11.SERVER)
         head = h11.Response(
             status_code=200,
             headers=[(b"content-type", b"application/json"), (b"content-length", b"%d" % len(ANSWER))],
         )
+
+        async def next_event() -> h11.Event:
+            while (event := conn.next_event()) is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            return event
+
+        async def send(*events: h11.Event) -> None:
+            await stream.send_all(b"".join(conn.send(event) or b"" for event in events))
+
         try:
-            while type(await engine.next_event()) is h11.Request:
+            while type(await next_event()) is h11.Request:
                 body = b""
-                while type(event := await engine.next_event()) is not h11.EndOfMessage:
+                while type(event := await next_event()) is not h11.EndOfMessage:
                     body += event.data
                 if b'"stream":true' in body:
                     # One write per event, as an engine sends tokens: the gateway sees each chunk.
-                    await engine.send(h11.Response(status_code=200, headers=STREAM_HEADERS))
+                    await send(h11.Response(status_code=200, headers=STREAM_HEADERS))
                     spaced = b'"spaced":true' in body
                     for _ in range(STREAM_CHUNKS):
-                        await engine.send(h11.Data(data=CHUNK))
+                        await send(h11.Data(data=CHUNK))
                         if spaced:
                             await trio.sleep(TOKEN_INTERVAL)
-                    await engine.send(h11.Data(data=USAGE_EVENT + b"data: [DONE]\n\n"), h11.EndOfMessage())
+                    await send(h11.Data(data=USAGE_EVENT + b"data: [DONE]\n\n"), h11.EndOfMessage())
                 else:
-                    await engine.send(head, h11.Data(data=ANSWER), h11.EndOfMessage())
-                engine.conn.start_next_cycle()
+                    await send(head, h11.Data(data=ANSWER), h11.EndOfMessage())
+                conn.start_next_cycle()
         except trio.BrokenResourceError:
             pass
 

@@ -4,8 +4,10 @@ trio's SocketStream wraps every call in a conflict detector and an error transla
 call that did not block it yields to the scheduler anyway ("always look like we blocked"). On a
 stream that relays a token per read, that bookkeeping cost more than the read. Here a read or a
 write goes straight to the non-blocking socket, and waits through trio only when the socket
-would block, which is also where cancellation is delivered. A streak of calls that never blocked
-yields once in a while, so one busy connection cannot starve the others or outlive a cancel.
+would block, which is also where cancellation is delivered. A write yields afterwards (the peer's
+answer is what comes next) unless it is one of a stream's chunks; a streak of calls that never
+blocked yields once in a while, so one busy connection cannot starve the others or outlive a
+cancel.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class RawSocket:
             except OSError as error:
                 raise trio.BrokenResourceError(f"socket read failed: {error}") from error
 
-    async def send_all(self, data: bytes) -> None:
-        await self._pace()
+    async def send_all(self, data: bytes, *, pause: bool = True) -> None:
+        """Writes all of `data`. With `pause`, yields afterwards (see below); a stream's chunks
+        are written without, since what follows them is the next chunk, not an answer."""
         with memoryview(data) as view:
             sent = 0
             while sent < len(view):
@@ -50,6 +53,14 @@ class RawSocket:
                     await trio.lowlevel.wait_writable(self._socket)
                 except OSError as error:
                     raise trio.BrokenResourceError(f"socket write failed: {error}") from error
+        if pause:
+            # The peer gets to answer before this task reads again, so that read finds the
+            # answer there instead of registering a wait for it (measured: 15 µs of system time
+            # per request saved; a pause after each streamed chunk cost 9 µs instead).
+            self._streak = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await self._pace()
 
     async def _pace(self) -> None:
         self._streak += 1

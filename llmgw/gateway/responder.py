@@ -25,7 +25,8 @@ class Responder:
         self._head = h11.Response(status_code=status, headers=headers)
 
     async def send(self, data: bytes) -> None:
-        await self._client.send(*self._take_head(), h11.Data(data=data))
+        """Body bytes; more follow (end() closes the answer), so the write does not pause."""
+        await self._client.send(*self._take_head(), h11.Data(data=data), pause=False)
 
     async def end(self) -> None:
         await self._client.send(*self._take_head(), h11.EndOfMessage())
