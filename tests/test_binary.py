@@ -22,6 +22,7 @@ import pytest
 from llmgw import __version__
 from tests.procs import Proc, kill_recorded_shards, read_endpoints, wait_until, write_yaml
 from tests.real_parts import llama_server, require_llama_server, require_smollm2, smollm2_gguf
+from tests.tiny_llama import QA_PAIRS, tiny_llama_dir
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +197,13 @@ def test_the_frozen_server_and_agent_serve_a_real_model(binary, frozen_env, tmp_
                 "node_name": "frozen",
                 "work_dir": str(tmp_path / "agent"),
                 "server": {"address": endpoints["link"], "join_token_file": str(data_dir / "join-token")},
-                "engines": {"llama_server": str(llama_server()), "run_as": None, "stop_shards_on_exit": True},
+                "engines": {
+                    "llama_server": str(llama_server()),
+                    "run_as": None,
+                    "stop_shards_on_exit": True,
+                    # The training child runs under a Python with torch, outside the binary.
+                    "train_python": sys.executable,
+                },
             },
         )
         agent = Proc(
@@ -231,6 +238,27 @@ def test_the_frozen_server_and_agent_serve_a_real_model(binary, frozen_env, tmp_
         )
         with urllib.request.urlopen(request, timeout=60) as response:
             assert json.loads(response.read())["choices"][0]["message"]["content"]
+
+        # The frozen agent carries the training child's script and runs a job with it.
+        pairs = [{"question": p.question, "answer": p.answer} for p in QA_PAIRS[:4]]
+        job = {
+            "model": "smollm2",
+            "node": "frozen",
+            "adapter": "frozen-qa",
+            "base_dir": str(tiny_llama_dir()),
+            "params": {"steps": 3},
+            "gguf": False,
+            "pairs": pairs,
+        }
+        job_id = admin("POST", "/admin/v1/jobs", job)["id"]
+        done = wait_until(
+            lambda: (j := admin("GET", f"/admin/v1/jobs/{job_id}"))["state"] in ("Succeeded", "Failed") and j,
+            "the training job to end",
+            deadline=180,
+            proc=agent,
+        )
+        assert (done["state"], done["step"]) == ("Succeeded", 3), done
+
         engine_port = ready["shards"][0]["port"]
         assert agent.stop() == 0  # stop_shards_on_exit: the engine goes with it
         with socket.socket() as probe:
