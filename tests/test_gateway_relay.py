@@ -10,6 +10,7 @@ from functools import partial
 
 import attrs
 import h11
+import pytest
 import trio
 
 from llmgw.gateway import GatewayError, RequestRecord, StaticRouter, Upstream, Usage, serve_gateway
@@ -288,6 +289,40 @@ async def test_a_silent_engine_is_504(nursery):
     status, body = await gateway.call("POST", "/v1/chat/completions", chat())
     assert (status, body["error"]["code"]) == (504, "upstream_timeout")
     assert (await gateway.record()).status == 504
+
+
+async def test_an_engine_silent_mid_stream_has_its_client_cut_off(nursery):
+    engine = FakeEngine(streaming_reply(gate=trio.Event()))  # never set: silent after one chunk
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]}, upstream_timeout=1.0)
+    client = await Client.open(gateway.port)
+    await client.send("POST", "/v1/chat/completions", json.dumps(chat(stream=True)).encode())
+    assert (await client.head()).status_code == 200
+    first = await client.http.next_event()
+    assert type(first) is h11.Data and b"Hel" in first.data
+    with pytest.raises(h11.RemoteProtocolError):  # cut mid-body, after the timeout
+        await client.http.next_event()
+    record = await gateway.record()
+    assert (record.status, record.completed) == (200, False)
+    await client.http.aclose()
+
+
+def slow_stream(chunks: int, interval: float) -> Reply:
+    async def reply(engine: H11Stream, body: dict) -> None:
+        await engine.send(h11.Response(status_code=200, headers=[(b"content-type", b"text/event-stream")]))
+        for i in range(chunks):
+            await engine.send(h11.Data(data=sse(token_chunk(str(i)))))
+            await trio.sleep(interval)
+        await engine.send(h11.Data(data=sse(b"[DONE]")), h11.EndOfMessage())
+
+    return reply
+
+
+async def test_a_stream_that_keeps_talking_outlives_the_silence_timeout(nursery):
+    engine = FakeEngine(slow_stream(chunks=8, interval=0.2))  # 1.6 s in all, never 1 s silent
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]}, upstream_timeout=1.0)
+    status, body = await gateway.call("POST", "/v1/chat/completions", chat(stream=True))
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert all(b'"content": "%d"' % i in body for i in range(8))
 
 
 async def test_keep_alive_on_both_sides(nursery):
