@@ -30,7 +30,9 @@ from llmgw.wire.h2link import H2Link, LinkClosed
 from llmgw.wire.messages import (
     CancelJob,
     CommandResult,
+    Gpu,
     Heartbeat,
+    Inventory,
     JobPiece,
     JobStatus,
     Message,
@@ -141,9 +143,10 @@ class FakeAgent:
     """A node's agent reduced to its link: it registers (listing the jobs it claims to run),
     sends heartbeats, queues every command for the test and sends what the test tells it to."""
 
-    def __init__(self, name: str, port: int) -> None:
+    def __init__(self, name: str, port: int, inventory: Inventory | None = None) -> None:
         self.name = name
         self.port = port
+        self.inventory = inventory or fake_inventory(name)
         self.link: H2Link | None = None
         self._scope = trio.CancelScope()
         self._send_commands, self.commands = trio.open_memory_channel[Message](100)
@@ -166,7 +169,7 @@ class FakeAgent:
                         Register(
                             node=self.name,
                             agent_version="0.1.0",
-                            inventory=fake_inventory(self.name),
+                            inventory=self.inventory,
                             jobs=jobs,
                         )
                     )
@@ -519,6 +522,31 @@ async def test_a_bad_request_names_every_field(tmp_path: Path, nursery):
         f'adapter: job {first.id} ({first.state}) is already making "tiny-qa"',
     )
     assert server.jobs.list()[0].spec.gguf is True
+
+
+async def test_a_gpu_node_needs_a_memory_figure_its_cards_can_hold(tmp_path: Path, nursery):
+    server = await start_server(nursery, tmp_path / "data")
+    card = Gpu(
+        index=0, uuid="GPU-0", name="NVIDIA L40S", gpu_class="l40s-45g",
+        memory_total_mib=46068, memory_used_mib=0, compute_capability="8.9",
+    )  # fmt: skip
+    agent = FakeAgent("g1", server.link_port, attrs.evolve(fake_inventory("g1"), gpus=(card,)))
+    await agent.connect(nursery)
+    for need, problem in (
+        (
+            0,
+            "need_mib: node g1 has 1 GPU(s); give the MiB of one card the job needs (its largest card has 46,068 MiB)",
+        ),
+        (50000, "need_mib: 50,000 MiB is more than any card of node g1 has (46,068 MiB)"),
+    ):
+        status, answer = await server.api(
+            "POST", "/admin/v1/jobs", {"model": "tiny", "node": "g1", **_ok(), "need_mib": need}
+        )
+        assert (status, answer["error"]["problems"]) == (400, [problem])
+    status, _ = await server.api(
+        "POST", "/admin/v1/jobs", {"model": "tiny", "node": "g1", **_ok(), "need_mib": 20000}
+    )
+    assert status == 201
 
 
 def _ok() -> dict:
