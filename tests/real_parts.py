@@ -190,7 +190,7 @@ def _require(get):
     except RealPartMissing as e:
         if real_parts_required():
             pytest.fail(f"{e} ({REQUIRE_ENV}=1)", pytrace=False)
-        pytest.skip(str(e))
+        pytest.skip(str(e), allow_module_level=True)
 
 
 def require_llama_server() -> Path:
@@ -324,6 +324,24 @@ def require_converters() -> Path:
     """For tests and fixtures: llama.cpp's converters directory, else skip (or fail under
     LLMGW_REQUIRE_REAL_PARTS=1)."""
     return _require(llama_cpp_converters)
+
+
+def training_stack() -> str:
+    """torch and peft, importable by this Python (the ``train`` extra): their versions."""
+    try:
+        import peft
+        import torch
+    except ImportError as e:
+        raise RealPartMissing(
+            f"the training stack is missing ({e}); install the train extra: pip install -e '.[train]'"
+        ) from e
+    return f"torch {torch.__version__}, peft {peft.__version__}"
+
+
+def require_training_stack() -> str:
+    """For training tests (at module level too): skip without torch and peft, or fail under
+    LLMGW_REQUIRE_REAL_PARTS=1."""
+    return _require(training_stack)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,13 @@ import pytest
 
 from llmgw import __version__
 from tests.procs import Proc, kill_recorded_shards, read_endpoints, wait_until, write_yaml
-from tests.real_parts import llama_server, require_llama_server, require_smollm2, smollm2_gguf
+from tests.real_parts import (
+    llama_server,
+    require_llama_server,
+    require_smollm2,
+    require_training_stack,
+    smollm2_gguf,
+)
 from tests.tiny_llama import QA_PAIRS, tiny_llama_dir
 
 pytestmark = pytest.mark.slow
@@ -166,6 +172,7 @@ def test_the_frozen_server_and_agent_serve_a_real_model(binary, frozen_env, tmp_
     placed from the catalog and answering through the gateway; stopping leaves no engine."""
     require_llama_server()
     require_smollm2()
+    require_training_stack()  # the training job's child runs under this Python
     data_dir = tmp_path / "data"
     server_config = write_yaml(
         tmp_path / "server.yaml",

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.lora_convert import GGUF_NAME, convert_argv, converter_env, find_converter
+from llmgw.agent.lora_convert import convert_argv, converter_env, find_converter
+from llmgw.core.training import GGUF_FILE
 
 
 def layout(root: Path, *, gguf_py: bool = True, conversion: bool = True, hf_script: bool = False) -> Path:
@@ -53,7 +54,7 @@ def test_convert_argv_always_passes_base() -> None:
         Path("/opt/llama.cpp/convert_lora_to_gguf.py"),
         Path("/jobs/j1/out"),
         Path("/models/llama"),
-        Path("/jobs/j1/out") / GGUF_NAME,
+        Path("/jobs/j1/out") / GGUF_FILE,
     )
     assert argv[:2] == ["/usr/bin/python3", "/opt/llama.cpp/convert_lora_to_gguf.py"]
     assert argv[argv.index("--base") + 1] == "/models/llama"

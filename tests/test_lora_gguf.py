@@ -27,12 +27,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("peft")
-
-from llmgw.agent.lora_convert import GGUF_NAME, convert_argv, converter_env, find_converter  # noqa: E402
-from tests.real_parts import require_converters, require_llama_server  # noqa: E402
-from tests.tiny_llama import (  # noqa: E402
+from llmgw.agent.lora_convert import convert_argv, converter_env, find_converter
+from llmgw.core.training import GGUF_FILE
+from tests.real_parts import require_converters, require_llama_server, require_training_stack
+from tests.tiny_llama import (
     PROMPT,
     QA_PAIRS,
     child_env,
@@ -40,6 +38,9 @@ from tests.tiny_llama import (  # noqa: E402
     tiny_llama_gguf,
     write_job,
 )
+
+# Module level: without torch and peft there is nothing here to run.
+require_training_stack()
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_llama_server_applies_the_trained_adapter(tmp_path: Path) -> None:
     started = time.monotonic()
     script = find_converter(str(converters / "convert_lora_to_gguf.py"))
     assert script is not None
-    adapter_gguf = out / GGUF_NAME
+    adapter_gguf = out / GGUF_FILE
     done = subprocess.run(
         convert_argv(sys.executable, script, out, base_dir, adapter_gguf),
         capture_output=True,

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("peft")
+from tests.real_parts import require_training_stack
+from tests.tiny_llama import TRAIN_PARAMS, child_env, tiny_llama_dir, write_job
 
-from tests.tiny_llama import TRAIN_PARAMS, child_env, tiny_llama_dir, write_job  # noqa: E402
+# Module level: without torch and peft there is nothing here to run.
+require_training_stack()
 
 pytestmark = pytest.mark.slow
 

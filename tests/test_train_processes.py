@@ -20,7 +20,7 @@ import pytest
 
 from llmgw.agent.processes import read_cmdline
 from tests.procs import Server, start_agent, wait_until, write_yaml
-from tests.real_parts import llama_cpp_converters, require_converters
+from tests.real_parts import llama_cpp_converters, require_converters, require_training_stack
 from tests.tiny_llama import QA_PAIRS, tiny_llama_dir, tiny_llama_gguf
 
 pytestmark = pytest.mark.slow
@@ -30,6 +30,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def parts():
+    require_training_stack()
     require_converters()
     return tiny_llama_dir(), llama_cpp_converters() / "convert_lora_to_gguf.py"
 

@@ -518,7 +518,6 @@ def fake_lora_convert(monkeypatch: pytest.MonkeyPatch, lab: Lab, exit_code: int 
     )
     script.chmod(0o644)
     module = types.ModuleType("llmgw.agent.lora_convert")
-    module.GGUF_NAME = "adapter.gguf"
     module.find_converter = lambda configured: Path(configured) if configured else None
     module.convert_argv = lambda python, script, adapter_dir, base_dir, outfile: [
         python,

@@ -30,10 +30,9 @@ import attrs
 import trio
 
 from llmgw.agent import runas
-from llmgw.core.catalog import GGUF_ADAPTER_FILE
 from llmgw.core.reassembly import Reassembly, ReassemblyError
 from llmgw.core.shard import ShardSpec
-from llmgw.core.training import ADAPTER_NAME, FileDigest
+from llmgw.core.training import ADAPTER_NAME, GGUF_FILE, FileDigest
 from llmgw.wire.messages import AdapterPiece, JobPiece
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ def copy_name(name: str, files: tuple[FileDigest, ...]) -> str:
 def engine_path(engine: str, directory: Path, files: tuple[FileDigest, ...]) -> str:
     """What the engine is given: llama.cpp the GGUF file, vLLM and SGLang peft's directory."""
     if engine == "llamacpp":
-        gguf = next((f.name for f in files if f.name.endswith(".gguf")), GGUF_ADAPTER_FILE)
+        gguf = next((f.name for f in files if f.name.endswith(".gguf")), GGUF_FILE)
         return str(directory / gguf)
     return str(directory)
 

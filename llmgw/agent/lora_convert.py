@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-GGUF_NAME = "adapter.gguf"  # written into the job's output_dir, next to the safetensors
 # f32 keeps the adapter exactly as trained; adapters are small, so the size does not matter.
 OUTTYPE = "f32"
 

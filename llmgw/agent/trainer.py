@@ -65,7 +65,7 @@ from llmgw.agent.processes import (
 from llmgw.agent.train_overlay import Overlay, OverlayFailed
 from llmgw.core.pieces import UploadInterrupted, fileobj_digest, iter_pieces
 from llmgw.core.train_device import Choice, child_threads, choose_device
-from llmgw.core.training import FileDigest, JobState, TrainSpec, dump_pairs
+from llmgw.core.training import GGUF_FILE, FileDigest, JobState, TrainSpec, dump_pairs
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
 
 log = logging.getLogger(__name__)
@@ -550,7 +550,7 @@ class Trainer:
                 f"engines.lora_converter{where} must name llama.cpp's convert_lora_to_gguf.py"
             )
         user = await trio.to_thread.run_sync(self._engine_user)
-        outfile = job.out_dir / lora_convert.GGUF_NAME
+        outfile = job.out_dir / GGUF_FILE
         argv = lora_convert.convert_argv(self._python, script, job.out_dir, Path(job.spec.base_dir), outfile)
         env = {**base_environment(user), "OMP_NUM_THREADS": "1", **lora_convert.converter_env(script)}
         output = job.directory / CONVERT_LOG
@@ -570,7 +570,7 @@ class Trainer:
         job.tail.extend(f"[convert] {line}" for line in lines.read(final=True))
         if status != 0:
             raise _JobFailed(f"the GGUF conversion {describe_exit(status)}")
-        return lora_convert.GGUF_NAME
+        return GGUF_FILE
 
     async def _upload(self, job: _Job, names: list[str]) -> None:
         """Announces the files (JobStatus Uploading) and sends them, a piece at a time."""

@@ -17,19 +17,17 @@ from collections.abc import Mapping
 import attrs
 
 from llmgw.core.shard import ENGINES, LAUNCHERS, Adapter, ShardSpec
-from llmgw.core.training import ADAPTER_NAME, FileDigest
+from llmgw.core.training import ADAPTER_NAME, GGUF_FILE, PEFT_FILES, FileDigest
 
 frozen = attrs.frozen(kw_only=True)
 
 MODEL_FORMATS = ("gguf", "safetensors")
 # What each engine loads of a stored adapter: llama.cpp one GGUF file (--lora FILE), vLLM and
 # SGLang peft's directory (name=DIR), of which they read these two files.
-GGUF_ADAPTER_FILE = "adapter.gguf"
-PEFT_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 ENGINE_ADAPTER_FILES = {
-    "llamacpp": (GGUF_ADAPTER_FILE,),
-    "vllm": PEFT_ADAPTER_FILES,
-    "sglang": PEFT_ADAPTER_FILES,
+    "llamacpp": (GGUF_FILE,),
+    "vllm": PEFT_FILES,
+    "sglang": PEFT_FILES,
 }
 _DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 
@@ -203,7 +201,7 @@ def served_files(
     by_name = {f.name: f for f in stored.files}
     needed = ENGINE_ADAPTER_FILES.get(engine, ())
     missing = [name for name in needed if name not in by_name]
-    if missing == [GGUF_ADAPTER_FILE]:
+    if missing == [GGUF_FILE]:
         raise AdapterUnavailable(
             f"stored adapter {source!r} has no GGUF file, which llama.cpp loads "
             "(train it again with a llama.cpp profile in the catalog, or serve it with vLLM or SGLang)"

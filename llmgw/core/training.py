@@ -38,6 +38,10 @@ ACTIVE_STATES = frozenset({JobState.SENT, JobState.TRAINING, JobState.CONVERTING
 DEFAULT_TARGET_MODULES = ("q_proj", "v_proj")
 # An adapter name becomes a file name on nodes and in the store, and a model name clients ask for.
 ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+# What a job makes: peft's two files, and the GGUF conversion when the model is served by llama.cpp.
+# (train_child.py, which imports nothing of llmgw, names the first two itself.)
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+GGUF_FILE = "adapter.gguf"
 # Pairs travel inside one link message (bounded at 8 MiB); a training file larger than this
 # belongs on the node's disk, not in a message.
 MAX_PAIRS_BYTES = 4 * 1024 * 1024
