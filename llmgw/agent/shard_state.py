@@ -16,31 +16,23 @@ the key) before the agent is connected to a server that could tell it. It is no 
 than it already is: the engine's own environment (/proc/PID/environ, readable by root and the
 engine user) holds it too, and this file is root's, 0600, in a 0700 directory.
 
-Writes are atomic (temporary file, fsync, rename): an agent killed mid-write leaves the old file
-or the new one, never half of one.
+Writes are atomic (see :mod:`llmgw.agent.state_file`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import attrs
-import cattrs
 
+from llmgw.agent import state_file
 from llmgw.agent.processes import ProcessRecord
 from llmgw.core.shard import ShardSpec
 from llmgw.wire.messages import Compute
 
-STATE_FILE = "state.json"
 VERSION = 1
-# A shard id becomes a directory name: nothing that could leave the shards directory.
-_SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-
-_converter = cattrs.Converter(forbid_extra_keys=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -55,11 +47,7 @@ class ShardRecord:
 
 def id_problem(shard_id: str) -> str:
     """Why ``shard_id`` cannot name a shard directory; "" when it can."""
-    if _SAFE_ID.fullmatch(shard_id):
-        return ""
-    return (
-        f"shard id {shard_id!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with '.' or '-'"
-    )
+    return state_file.id_problem("shard id", shard_id)
 
 
 def shard_dir(shards_dir: Path, shard_id: str) -> Path:
@@ -77,36 +65,12 @@ def make_dirs(shards_dir: Path, shard_id: str) -> Path:
 
 
 def write(directory: Path, record: ShardRecord) -> None:
-    data = {"version": VERSION, **_converter.unstructure(record)}
-    text = json.dumps(data, indent=1)
-    temporary = directory / (STATE_FILE + ".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(temporary, directory / STATE_FILE)
-    # The rename is durable once the directory is.
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    state_file.write(directory, VERSION, record)
 
 
 def read(directory: Path) -> ShardRecord:
     """Raises ValueError when the file is missing or cannot be understood."""
-    try:
-        data = json.loads((directory / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {directory / STATE_FILE}: {exc}") from None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        raise ValueError(f"{directory / STATE_FILE} is not a version {VERSION} state file")
-    try:
-        return _converter.structure(data, ShardRecord)
-    except (cattrs.BaseValidationError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{directory / STATE_FILE} does not describe a shard: {exc}") from None
+    return state_file.read(directory, VERSION, ShardRecord, "a shard")
 
 
 def read_all(shards_dir: Path) -> list[tuple[Path, ShardRecord | ValueError]]:

@@ -33,7 +33,6 @@ import collections
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import stat
@@ -47,7 +46,7 @@ import attrs
 import cattrs
 import trio
 
-from llmgw.agent import runas
+from llmgw.agent import runas, state_file
 from llmgw.agent.processes import (
     ProcessRecord,
     base_environment,
@@ -71,7 +70,6 @@ from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
 log = logging.getLogger(__name__)
 
 CHILD_SCRIPT = "train_child.py"
-STATE_FILE = "state.json"
 EVENTS_FILE = "child.out"
 LOG_FILE = "child.err"
 CONVERT_LOG = "convert.out"
@@ -97,8 +95,6 @@ GONE_POLL = 0.1
 CONVERT_TIMEOUT = 1800.0
 # An upload waits this long for the link to be up before the job fails.
 UPLOAD_WAIT = 300.0
-# A job id becomes a directory name: nothing that could leave the jobs directory.
-_SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _UPLOADED = "Uploaded"  # the agent's last word on a job that went well; the server says Succeeded
 
 _converter = cattrs.Converter(forbid_extra_keys=False)
@@ -116,9 +112,7 @@ def child_script() -> Path:
 
 
 def job_id_problem(job_id: str) -> str:
-    if _SAFE_ID.fullmatch(job_id):
-        return ""
-    return f"job id {job_id!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+    return state_file.id_problem("job id", job_id)
 
 
 # --- the child's events (pure) -----------------------------------------------------------------
@@ -194,30 +188,12 @@ class JobRecord:
 
 
 def write_record(directory: Path, record: JobRecord) -> None:
-    """Atomically (temporary file, fsync, rename): a crash leaves the old file or the new one."""
-    text = json.dumps({"version": STATE_VERSION, **_converter.unstructure(record)})
-    temporary = directory / (STATE_FILE + ".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(temporary, directory / STATE_FILE)
+    state_file.write(directory, STATE_VERSION, record)
 
 
 def read_record(directory: Path) -> JobRecord:
     """Raises ValueError when the file is missing or cannot be understood."""
-    try:
-        data = json.loads((directory / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {directory / STATE_FILE}: {exc}") from None
-    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-        raise ValueError(f"{directory / STATE_FILE} is not a version {STATE_VERSION} job state file")
-    try:
-        return _converter.structure(data, JobRecord)
-    except (cattrs.BaseValidationError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{directory / STATE_FILE} does not describe a job: {exc}") from None
+    return state_file.read(directory, STATE_VERSION, JobRecord, "a job")
 
 
 # --- a job ---------------------------------------------------------------------------------------
