@@ -131,12 +131,12 @@ class Server:
             "LLMGW_CONTEXT": str(self.tmp / "no-context.json"),
         }
 
-    def ctl(self, *args: str) -> subprocess.CompletedProcess:
+    def ctl(self, *args: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess:
         return subprocess.run(
             [*llmgw_command(), "ctl", *args],
             capture_output=True,
             text=True,
-            timeout=DEADLINE,
+            timeout=timeout,
             env={**os.environ, **self.ctl_env},
         )
 

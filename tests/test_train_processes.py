@@ -25,6 +25,12 @@ from tests.tiny_llama import QA_PAIRS, tiny_llama_dir, tiny_llama_gguf
 
 pytestmark = pytest.mark.slow
 
+# The child imports torch and loads the model before its first step: seconds when idle, far more
+# on a loaded 2-core machine.
+FIRST_STEP_DEADLINE = 180.0
+# A whole job (torch import, 30 steps, conversion): about 15 s when idle.
+JOB_DEADLINE = 600.0
+
 MODEL = "tiny"
 
 
@@ -73,9 +79,11 @@ def pairs_file(tmp_path: Path) -> Path:
 
 
 def train(server: Server, tmp_path: Path, base: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    """`ctl train`, which follows the job to its end unless --detach: a whole job's time."""
     return server.ctl(
         "train", "--model", MODEL, "--node", "cpu-1", "--base-dir", str(base),
         "--data", str(pairs_file(tmp_path)), "--name", name, *extra,
+        timeout=JOB_DEADLINE,
     )  # fmt: skip
 
 
@@ -152,7 +160,9 @@ def test_a_job_whose_agent_is_killed_fails_with_that_reason(tmp_path, parts):
         result = train(server, tmp_path, base, "long-one", "--steps", "100000", "--detach", "--json")
         assert result.returncode == 0, result.stderr
         job_id = json.loads(result.stdout)["id"]
-        wait_until(lambda: job(server, job_id)["step"] >= 1, "training to begin", proc=agent)
+        wait_until(
+            lambda: job(server, job_id)["step"] >= 1, "training to begin", FIRST_STEP_DEADLINE, proc=agent
+        )
 
         agent.kill9()
         failed = wait_until(
@@ -171,7 +181,9 @@ def test_cancel_stops_the_child(tmp_path, parts):
     try:
         result = train(server, tmp_path, base, "to-cancel", "--steps", "100000", "--detach", "--json")
         job_id = json.loads(result.stdout)["id"]
-        wait_until(lambda: job(server, job_id)["step"] >= 1, "training to begin", proc=agent)
+        wait_until(
+            lambda: job(server, job_id)["step"] >= 1, "training to begin", FIRST_STEP_DEADLINE, proc=agent
+        )
         pids = child_pids(job_id)
         assert pids, "the child runs"
 
