@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,3 +125,19 @@ async def kill_9_after(script: Path, args: list[str], marker: bytes) -> bytes:
                 os.kill(proc.pid, signal.SIGKILL)
                 await proc.wait()
         await proc.stdout.aclose()
+
+
+def admin_call(method: str, url: str, token: str | None, body: object = None) -> tuple[int, dict]:
+    """One admin API request (blocking: run it in a thread); its status and JSON answer, errors
+    included."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -26,6 +26,7 @@ from llmgw.server.store import AsyncStore, UsageRecord
 from llmgw.server.tenants import Tenants
 from llmgw.server.usage import UsageRecorder
 from llmgw.wire.messages import Gpu, Inventory, Ping, Pong, Register
+from tests.helpers import admin_call
 
 ADMIN_TOKEN = "admin-secret"
 ENGINE_SECRET = b"s" * 32
@@ -113,24 +114,10 @@ async def admin(tmp_path: Path, nursery):
     await store.aclose()
 
 
-def _fetch(method: str, url: str, token: str | None, body: object = None) -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 async def fetch(
     method: str, url: str, token: str | None = ADMIN_TOKEN, body: object = None
 ) -> tuple[int, dict]:
-    return await trio.to_thread.run_sync(_fetch, method, url, token, body)
+    return await trio.to_thread.run_sync(admin_call, method, url, token, body)
 
 
 async def test_healthz_needs_no_token(admin: Api):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import json
 import os
 import stat
 import urllib.error
@@ -41,7 +40,7 @@ from llmgw.wire.messages import (
     RunningJob,
     StartJob,
 )
-from tests.helpers import fake_inventory, wait_for
+from tests.helpers import admin_call, fake_inventory, wait_for
 
 ADMIN_TOKEN = "admin-secret"
 JOIN_TOKEN = "join-secret"
@@ -62,7 +61,7 @@ class Server:
     cancel: trio.CancelScope
 
     async def api(self, method: str, path: str, body: object = None) -> tuple[int, dict]:
-        return await trio.to_thread.run_sync(_fetch, method, self.admin_url + path, body)
+        return await trio.to_thread.run_sync(admin_call, method, self.admin_url + path, ADMIN_TOKEN, body)
 
     async def job(self, job_id: str) -> dict:
         status, body = await self.api("GET", f"/admin/v1/jobs/{job_id}")
@@ -74,20 +73,6 @@ class Server:
         status, answer = await self.api("POST", "/admin/v1/jobs", {**body, **changes})
         assert status == 201, answer
         return answer
-
-
-def _fetch(method: str, url: str, body: object) -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _download(url: str) -> tuple[bytes, str]:
