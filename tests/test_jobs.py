@@ -358,3 +358,21 @@ JobsMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_jobs_machine = JobsMachine.TestCase
+
+
+def test_memory_problems_of_a_gpu_node():
+    from llmgw.core.jobs import memory_problems
+    from llmgw.wire.messages import Gpu
+
+    card = Gpu(
+        index=0, uuid="u", name="L40S", gpu_class="l40s-45g",
+        memory_total_mib=46068, memory_used_mib=40000, compute_capability="8.9",
+    )  # fmt: skip
+    assert memory_problems("cpu-1", (), 0) == []  # a CPU node trains on the CPU
+    assert memory_problems("g1", (card,), 20000) == []  # free memory is the agent's to judge
+    assert memory_problems("g1", (card,), 0) == [
+        "need_mib: node g1 has 1 GPU(s); give the MiB of one card the job needs (its largest card has 46,068 MiB)"
+    ]
+    assert memory_problems("g1", (card,), 46069) == [
+        "need_mib: 46,069 MiB is more than any card of node g1 has (46,068 MiB)"
+    ]

@@ -15,12 +15,12 @@ travel on the link that broke and cannot resume.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
 from llmgw.core.training import ACTIVE_STATES, TERMINAL_STATES, FileDigest, JobState, TrainSpec
-from llmgw.wire.messages import JobStatus, RunningJob
+from llmgw.wire.messages import Gpu, JobStatus, RunningJob
 
 frozen = attrs.frozen(kw_only=True)
 
@@ -284,6 +284,23 @@ def cancel_answered(job: Job, ok: bool, message: str, now: float) -> Job:
     if ok or job.terminal:
         return job
     return end(job, JobState.CANCELLED, f"cancelled (agent: {message or 'not running'})", now)
+
+
+def memory_problems(node: str, gpus: Sequence[Gpu], need_mib: int) -> list[str]:
+    """Refused at once rather than by the agent later: a GPU node needs a memory figure, and no
+    card of the node may be smaller than it. (Free memory is the agent's to judge, when the job
+    starts: engines come and go meanwhile.)"""
+    if not gpus:
+        return []
+    largest = max(gpu.memory_total_mib for gpu in gpus)
+    if need_mib <= 0:
+        return [
+            f"need_mib: node {node} has {len(gpus)} GPU(s); give the MiB of one card the job needs"
+            f" (its largest card has {largest:,} MiB)"
+        ]
+    if need_mib > largest:
+        return [f"need_mib: {need_mib:,} MiB is more than any card of node {node} has ({largest:,} MiB)"]
+    return []
 
 
 # --- for people -----------------------------------------------------------------------------------

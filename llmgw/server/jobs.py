@@ -187,7 +187,7 @@ class JobManager:
         if registered is None:
             problems.append(f'node: no node "{node}" has registered')
         else:
-            problems.extend(_memory_problems(node, registered.inventory.gpus, spec_fields["need_mib"]))
+            problems.extend(core.memory_problems(node, registered.inventory.gpus, spec_fields["need_mib"]))
         if problems:
             raise Invalid(problems)
         name = spec_fields["adapter"]
@@ -553,23 +553,6 @@ def _pairs(raw: object) -> tuple[tuple[QaPair, ...], list[str]]:
 
 
 # --- files and rows -----------------------------------------------------------------------------------
-
-
-def _memory_problems(node: str, gpus: Sequence, need_mib: int) -> list[str]:
-    """Refused at once rather than by the agent later: a GPU node needs a memory figure, and no
-    card of the node may be smaller than it. (Free memory is the agent's to judge, when the job
-    starts: engines come and go meanwhile.)"""
-    if not gpus:
-        return []
-    largest = max(gpu.memory_total_mib for gpu in gpus)
-    if need_mib <= 0:
-        return [
-            f"need_mib: node {node} has {len(gpus)} GPU(s); give the MiB of one card the job needs"
-            f" (its largest card has {largest:,} MiB)"
-        ]
-    if need_mib > largest:
-        return [f"need_mib: {need_mib:,} MiB is more than any card of node {node} has ({largest:,} MiB)"]
-    return []
 
 
 def _new_id(taken: dict) -> str:
