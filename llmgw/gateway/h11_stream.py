@@ -1,7 +1,8 @@
 """An h11 connection bound to a trio stream: the sans-IO state machine plus the socket it drives.
 
-The same class serves the listener (role SERVER) and the upstream pool (role CLIENT), so both sides
-share one way of reading: ask h11 for the next event, and read the socket only when it needs data.
+The gateway's listener uses it (role SERVER), and so do ctl bench and the tests' clients and fake
+engines (role CLIENT or SERVER): ask h11 for the next event, read the socket only when it needs
+data. The gateway's own connections to engines are :mod:`llmgw.gateway.engine_http`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ class H11Stream:
         self.stream = stream
         self._raw = RawSocket(stream)
         self.conn = h11.Connection(role)
-        self.reused = False  # it carried an earlier request (a kept-alive connection)
-        self.received = 0  # bytes read so far: did the peer say anything since a given moment?
 
     async def send(self, *events: h11.Event, pause: bool = True) -> None:
         """Send `events` in one write: a head, its body and its end cost one syscall, not three.
@@ -37,7 +36,6 @@ class H11Stream:
                 return event
             # b"" (the peer closed) becomes ConnectionClosed, or a RemoteProtocolError mid-message.
             data = await self._raw.receive(RECEIVE_SIZE)
-            self.received += len(data)
             self.conn.receive_data(data)
 
     def reusable(self) -> bool:
