@@ -176,6 +176,10 @@ class Gateway:
             await client.http.aclose()
 
 
+# Streams are relayed by the stream pump where there is epoll, by a task each otherwise: both ways.
+both_stream_relays = pytest.mark.parametrize("use_pump", [True, False], ids=["pump", "task"])
+
+
 def chat(stream: bool = False, **extra: object) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
 
@@ -197,10 +201,11 @@ async def test_non_streaming_relay_replaces_authorization_and_reads_usage(nurser
     assert record.usage == Usage(3, 5, 8)
 
 
-async def test_stream_chunks_arrive_before_the_engine_finishes_and_usage_chunk_is_stripped(nursery):
+@both_stream_relays
+async def test_stream_chunks_arrive_before_the_engine_finishes_and_usage_chunk_is_stripped(nursery, use_pump):
     gate = trio.Event()
     engine = FakeEngine(streaming_reply(gate))
-    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]}, use_pump=use_pump)
     client = await Client.open(gateway.port)
     await client.send("POST", "/v1/chat/completions", json.dumps(chat(stream=True)).encode())
     head = await client.head()
@@ -216,9 +221,10 @@ async def test_stream_chunks_arrive_before_the_engine_finishes_and_usage_chunk_i
     assert (record.stream, record.usage, record.completed) == (True, Usage(3, 5, 8), True)
 
 
-async def test_stream_usage_chunk_kept_when_the_client_asked(nursery):
+@both_stream_relays
+async def test_stream_usage_chunk_kept_when_the_client_asked(nursery, use_pump):
     engine = FakeEngine(streaming_reply())
-    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]}, use_pump=use_pump)
     status, body = await gateway.call(
         "POST", "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": True})
     )
@@ -291,9 +297,12 @@ async def test_a_silent_engine_is_504(nursery):
     assert (await gateway.record()).status == 504
 
 
-async def test_an_engine_silent_mid_stream_has_its_client_cut_off(nursery):
+@both_stream_relays
+async def test_an_engine_silent_mid_stream_has_its_client_cut_off(nursery, use_pump):
     engine = FakeEngine(streaming_reply(gate=trio.Event()))  # never set: silent after one chunk
-    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]}, upstream_timeout=1.0)
+    gateway = await Gateway().start(
+        nursery, {"m": [await engine.start(nursery)]}, upstream_timeout=1.0, use_pump=use_pump
+    )
     client = await Client.open(gateway.port)
     await client.send("POST", "/v1/chat/completions", json.dumps(chat(stream=True)).encode())
     assert (await client.head()).status_code == 200
@@ -317,9 +326,12 @@ def slow_stream(chunks: int, interval: float) -> Reply:
     return reply
 
 
-async def test_a_stream_that_keeps_talking_outlives_the_silence_timeout(nursery):
+@both_stream_relays
+async def test_a_stream_that_keeps_talking_outlives_the_silence_timeout(nursery, use_pump):
     engine = FakeEngine(slow_stream(chunks=8, interval=0.2))  # 1.6 s in all, never 1 s silent
-    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]}, upstream_timeout=1.0)
+    gateway = await Gateway().start(
+        nursery, {"m": [await engine.start(nursery)]}, upstream_timeout=1.0, use_pump=use_pump
+    )
     status, body = await gateway.call("POST", "/v1/chat/completions", chat(stream=True))
     assert status == 200 and body.endswith(b"data: [DONE]\n\n")
     assert all(b'"content": "%d"' % i in body for i in range(8))

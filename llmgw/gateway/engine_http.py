@@ -84,9 +84,23 @@ class EngineConnection:
             if self._complete:
                 return None
             await self._receive()
+        return self.take_body()
+
+    def take_body(self) -> bytes:
+        """The body bytes parsed so far and not yet taken (b"" if none)."""
         body = self._body
+        if not body:
+            return b""
         self._body = []
         return body[0] if len(body) == 1 else b"".join(body)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole answer has been parsed (some of its body may not be taken yet)."""
+        return self._complete
+
+    def fileno(self) -> int:
+        return self.stream.socket.fileno()
 
     def reusable(self) -> bool:
         """Whether the answer ended cleanly and the engine will take another request here."""
@@ -100,7 +114,11 @@ class EngineConnection:
         await trio.aclose_forcefully(self.stream)
 
     async def _receive(self) -> None:
-        data = await self._raw.receive(RECEIVE_SIZE)
+        self.feed(await self._raw.receive(RECEIVE_SIZE))
+
+    def feed(self, data: bytes) -> None:
+        """Parses what one read brought (b"": the engine closed); for a reader of the socket other
+        than this connection's own (the stream pump)."""
         if not data:
             if self._head_done and self._reads_until_close():
                 self._complete = True  # a body without length or chunks ends with the connection

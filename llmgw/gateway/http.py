@@ -19,6 +19,7 @@ from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.gate import Gate
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from llmgw.gateway.pump import StreamPump
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted, RequestRecord
 from llmgw.gateway.responder import Responder
 from llmgw.gateway.router import Router
@@ -46,19 +47,27 @@ async def serve_gateway(
     metrics: GatewayMetrics | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
+    use_pump: bool = True,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the OpenAI API on host:port (0: any free port) until cancelled; reports the bound port."""
+    """Serve the OpenAI API on host:port (0: any free port) until cancelled; reports the bound port.
+
+    `use_pump=False` relays streams with a task each, as where epoll is missing (for comparison)."""
     if metrics is not None:
         on_done = _both(metrics.on_done, on_done)
-    relay = Relay(router, gate=gate, on_done=on_done, upstream_timeout=upstream_timeout)
     listeners = await trio.open_tcp_listeners(port, host=host)
-    try:
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(partial(_serve_connection, relay, metrics, max_body_bytes), listeners)
-    finally:
-        with trio.CancelScope(shield=True):
-            await relay.aclose()
+    async with trio.open_nursery() as nursery:
+        pump = None
+        if use_pump and StreamPump.available():
+            pump = StreamPump()
+            await nursery.start(pump.run)
+        relay = Relay(router, gate=gate, on_done=on_done, upstream_timeout=upstream_timeout, pump=pump)
+        try:
+            task_status.started(listeners[0].socket.getsockname()[1])
+            await trio.serve_listeners(partial(_serve_connection, relay, metrics, max_body_bytes), listeners)
+        finally:
+            with trio.CancelScope(shield=True):
+                await relay.aclose()
 
 
 async def _serve_connection(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ import trio
 from llmgw.gateway.engine_http import EngineConnection, EngineFailed, request_bytes, request_head
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
+from llmgw.gateway.pump import ClientGone, PumpedStream, StreamPump
 from llmgw.gateway.responder import Headers, Responder
 from llmgw.gateway.router import Router, Upstream
 from llmgw.gateway.usage import StreamUsage, Usage, usage_in_body
@@ -74,8 +76,10 @@ class Relay:
         on_done: Callable[[RequestRecord], None] | None = None,
         upstream_timeout: float = UPSTREAM_TIMEOUT,
         max_idle: int = MAX_IDLE_PER_UPSTREAM,
+        pump: StreamPump | None = None,
     ) -> None:
         self.router = router
+        self.pump = pump  # relays streamed answers; without one, each request's task does
         self.gate = gate
         self.on_done = on_done
         self.upstream_timeout = upstream_timeout
@@ -210,6 +214,9 @@ class Relay:
         if length is not None and events is None:
             headers.append((b"content-length", length))  # otherwise h11 sends it chunked
         client.start(record.status, headers)
+        if events is not None and self.pump is not None:
+            await self._pump_stream(client, pool, connection, events, record, silence)
+            return
         parts: list[bytes] = []
         moved = trio.current_time()
         # Moving a deadline costs; moving it once a second (or a quarter of a short timeout) is
@@ -245,6 +252,48 @@ class Relay:
             if rest := events.flush():
                 await client.send(rest)
             record.usage = events.usage
+        await client.end()
+        record.completed = True
+
+    async def _pump_stream(
+        self,
+        client: Responder,
+        pool: UpstreamPool,
+        connection: EngineConnection,
+        events: StreamUsage,
+        record: RequestRecord,
+        silence: trio.CancelScope,
+    ) -> None:
+        """A streamed answer relayed by the pump, while this task watches for silence."""
+        head = client.take_head_bytes()
+        chunked = b"\r\ntransfer-encoding: chunked\r\n" in head.lower()
+        stream = PumpedStream(connection, client.fileno(), events, head=head, chunked=chunked)
+        # The stream keeps the time of its last read at no cost; this task wakes once per timeout
+        # at most to look at it, instead of moving a deadline as bytes come.
+        silence.deadline = math.inf
+        try:
+            try:
+                self.pump.attach(stream)
+                while not stream.done.is_set():
+                    with trio.move_on_at(stream.last_read + self.upstream_timeout):
+                        await stream.done.wait()
+                    if (
+                        not stream.done.is_set()
+                        and trio.current_time() >= stream.last_read + self.upstream_timeout
+                    ):
+                        raise RelayAborted("engine went silent mid-answer")
+            finally:
+                self.pump.detach(stream)
+                record.first_byte = stream.first_byte
+            if isinstance(stream.failure, ClientGone):
+                raise trio.BrokenResourceError(str(stream.failure))
+            if stream.failure is not None:
+                raise RelayAborted(f"stream cut mid-answer: {stream.failure}")
+        except BaseException:
+            await connection.aclose()
+            raise
+        await pool.release(connection)
+        record.usage = events.usage
         await client.end()
         record.completed = True
 

@@ -28,6 +28,14 @@ class Responder:
         """Body bytes; more follow (end() closes the answer), so the write does not pause."""
         await self._client.send(*self._take_head(), h11.Data(data=data), pause=False)
 
+    def take_head_bytes(self) -> bytes:
+        """The held-back head as h11 frames it, for a writer that sends the body itself (the
+        stream pump). h11 still closes the message: `end()`."""
+        return b"".join(self._client.conn.send(event) or b"" for event in self._take_head())
+
+    def fileno(self) -> int:
+        return self._client.stream.socket.fileno()
+
     async def end(self) -> None:
         await self._client.send(*self._take_head(), h11.EndOfMessage())
 
