@@ -119,7 +119,7 @@ class StreamPump:
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
-        # Registered descriptor → its stream: an engine's socket, and its client's while blocked.
+        # Registered descriptor → its stream: an engine's socket, and its client's while it is full.
         self._streams: dict[int, PumpedStream] = {}
         self._stopped = False
 
@@ -133,8 +133,6 @@ class StreamPump:
         if self._stopped:  # a request that got this far as the gateway stops
             self._finish(stream, EngineBroke("the gateway is stopping"))
             return
-        self._streams[stream.engine_fd] = stream
-        self._epoll.register(stream.engine_fd, 0)
         self._advance(stream, None, trio.current_time())
 
     def detach(self, stream: PumpedStream) -> None:
@@ -185,19 +183,21 @@ class StreamPump:
 
     def _watch(self, stream: PumpedStream, *, client: bool) -> None:
         """Level-triggered registrations change only when a stream turns from one socket to the
-        other, not per chunk."""
+        other, not per chunk. A descriptor is in `_streams` exactly while it is registered."""
         if stream.watching_client is client:
             return
         engine = stream.engine_fd
+        if stream.watching_client is None:
+            self._streams[engine] = stream
+            self._epoll.register(engine, 0 if client else select.EPOLLIN)
+        else:
+            self._epoll.modify(engine, 0 if client else select.EPOLLIN)
         if client:
-            self._epoll.modify(engine, 0)
             self._streams[stream.client] = stream
             self._epoll.register(stream.client, select.EPOLLOUT)
-        else:
-            if stream.watching_client:
-                del self._streams[stream.client]
-                self._epoll.unregister(stream.client)
-            self._epoll.modify(engine, select.EPOLLIN)
+        elif stream.watching_client:
+            del self._streams[stream.client]
+            self._epoll.unregister(stream.client)
         stream.watching_client = client
 
     def _finish(self, stream: PumpedStream, failure: Exception | None) -> None:
