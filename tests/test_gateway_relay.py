@@ -34,6 +34,7 @@ class Seen:
     path: str
     headers: dict[bytes, bytes]
     body: dict
+    raw: bytes  # the body as it came
 
 
 class FakeEngine:
@@ -59,7 +60,7 @@ class FakeEngine:
                 body = b""
                 while type(event := await engine.next_event()) is h11.Data:
                     body += event.data
-                self.seen.append(Seen(request.target.decode(), dict(request.headers), json.loads(body)))
+                self.seen.append(Seen(request.target.decode(), dict(request.headers), json.loads(body), body))
                 await self.reply(engine, self.seen[-1].body)
                 if not engine.reusable():
                     return
@@ -219,6 +220,21 @@ async def test_stream_chunks_arrive_before_the_engine_finishes_and_usage_chunk_i
     assert engine.seen[0].body["stream_options"] == {"include_usage": True}
     record = await gateway.record()
     assert (record.stream, record.usage, record.completed) == (True, Usage(3, 5, 8), True)
+
+
+async def test_the_usage_request_goes_in_without_encoding_the_body_again(nursery):
+    engine = FakeEngine(streaming_reply())
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    # Spacing, key order and escapes as a client wrote them: the engine gets them as they were.
+    body = b' {"model" : "m", "messages": [{"role": "user", "content": "caf\\u00e9"}], "stream": true}'
+    status, answer = await gateway.call("POST", "/v1/chat/completions", body)
+    assert status == 200 and answer.endswith(sse(b"[DONE]")) and USAGE_CHUNK not in answer
+    assert engine.seen[0].raw == b' {"stream_options":{"include_usage":true},' + body[2:]
+    # A stream_options already there (here null) is replaced, never given a twin.
+    status, _ = await gateway.call("POST", "/v1/chat/completions", chat(stream=True, stream_options=None))
+    assert status == 200
+    assert engine.seen[1].body["stream_options"] == {"include_usage": True}
+    assert engine.seen[1].raw.count(b"stream_options") == 1
 
 
 @both_stream_relays
