@@ -15,10 +15,13 @@ import argparse
 import json
 import os
 import re
+import select
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 
@@ -37,17 +40,31 @@ ANSWER = json.dumps(
 ).encode()
 REQUEST = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 WARMUP_REQUESTS = 500
-STREAM_REQUEST = json.dumps(
-    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, separators=(",", ":")
-).encode()
-STREAM_CHUNKS = 100  # events per streamed answer, each its own write
-# The same, with a pause between events as an engine generating tokens makes: every event then
-# arrives alone, and the gateway pays a read and a write for each (the worst case per chunk).
-SPACED_STREAM_REQUEST = json.dumps(
-    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "spaced": True},
-    separators=(",", ":"),
-).encode()
-TOKEN_INTERVAL = 0.002
+STREAM_CHUNKS = 100  # events per streamed answer
+TOKEN_INTERVAL = 0.002  # between a stream's events, at the "spaced" pace
+STEP_INTERVAL = 0.02  # between decode steps, at the "batched" pace
+BATCHED_STREAMS = 64
+# How the fake engine sends a stream's events, each in a write of its own:
+PACES = {
+    # as fast as its socket takes them, without yielding: the engine is not the bottleneck, the
+    # gateway is, and events that queue up share its reads (the issue's setting)
+    "flood": "8 streams, the engine never the bottleneck",
+    # through trio, yielding after each, as an engine's own HTTP server written in Python would
+    "yielding": "8 streams, events back to back through trio",
+    # a decode step every STEP_INTERVAL gives every running stream its next token at once, as a
+    # batching engine (vLLM, llama.cpp's slots) does
+    "batched": f"{BATCHED_STREAMS} streams, a decode step every {STEP_INTERVAL * 1e3:g} ms",
+    # TOKEN_INTERVAL between a stream's events: every event arrives alone (the worst case)
+    "spaced": f"8 streams, {TOKEN_INTERVAL * 1e3:g} ms between events (each arrives alone)",
+}
+
+
+def stream_request(pace: str) -> bytes:
+    """A streamed chat request; `pace` (one of PACES) tells the fake engine how to send it."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "pace": pace}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
 CHUNK = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
@@ -68,16 +85,26 @@ def main() -> None:
         help="the whole gateway path: API key check, quota reservation and settlement, admission"
         " queue, routing, relay and a usage record written to a real store",
     )
-    parser.add_argument("--role", choices=["engine", "gateway", "full-gateway"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-pump",
+        action="store_true",
+        help="relay streams with a task each instead of the stream pump (for comparison)",
+    )
+    parser.add_argument(
+        "--role", choices=["engine", "gateway", "full-gateway", "floor"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--engine-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "engine":
         trio.run(serve_engine)
     elif args.role == "gateway":
         router = StaticRouter({"m": [Upstream("127.0.0.1", args.engine_port, "bench-key")]})
-        trio.run(serve_and_say_port, partial(serve_gateway, router, "127.0.0.1", 0))
+        serve = partial(serve_gateway, router, "127.0.0.1", 0, use_pump=not args.no_pump)
+        trio.run(serve_and_say_port, serve)
     elif args.role == "full-gateway":
-        trio.run(serve_full_gateway, args.engine_port)
+        trio.run(serve_full_gateway, args.engine_port, not args.no_pump)
+    elif args.role == "floor":
+        serve_floor(args.engine_port)
     else:
         run_benchmark(args)
 
@@ -90,7 +117,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
     try:
         engine_port = int(engine.stdout.readline())
         role = "full-gateway" if args.full_path else "gateway"
-        gateway = spawn(["--role", role, "--engine-port", str(engine_port)], gateway_cores)
+        pump = ["--no-pump"] if args.no_pump else []
+        gateway = spawn(["--role", role, "--engine-port", str(engine_port), *pump], gateway_cores)
         try:
             gateway_port = int(gateway.stdout.readline())
             # The full path's gateway hands out a real API key; the bare relay checks none.
@@ -106,24 +134,32 @@ def run_benchmark(args: argparse.Namespace) -> None:
                     f" req/s; gateway CPU {cpu / done * 1e6:,.0f} µs/request;"
                     f" latency p50 {statistics.median(latencies) * 1e3:.2f} ms"
                 )
-            # Streaming: the gateway's cost per relayed chunk (its per-request cost included).
-            count = min(args.requests, 500)
-            cpu_before = cpu_seconds(gateway.pid)
-            done, elapsed, _ = trio.run(load, gateway_port, key, 8, count, args.seconds, STREAM_REQUEST)
-            cpu = cpu_seconds(gateway.pid) - cpu_before
+
+            # Streaming: the gateway's cost per relayed chunk (its per-request cost included), and
+            # beside it a bare byte relay's under the same load: the least any relay pays here.
+            floor = spawn(["--role", "floor", "--engine-port", str(engine_port)], gateway_cores)
+            try:
+                floor_port = int(floor.stdout.readline())
+                regimes = [
+                    ("flood", 8, min(args.requests, 500)),
+                    ("yielding", 8, min(args.requests, 500)),
+                    ("batched", BATCHED_STREAMS, BATCHED_STREAMS * 2),
+                    ("spaced", 8, min(args.requests, 80)),
+                ]
+                for pace, connections, count in regimes:
+                    figures = [
+                        stream_cost(pid, port, key, stream_request(pace), connections, count, args.seconds)
+                        for pid, port in ((gateway.pid, gateway_port), (floor.pid, floor_port))
+                    ]
+                    print(
+                        f"  streaming, {PACES[pace]}: gateway CPU {figures[0]:,.1f} µs/chunk"
+                        f" (a bare byte relay: {figures[1]:,.1f})"
+                    )
+            finally:
+                floor.kill()
+                floor.wait()
             print(
-                f"  streaming: {done} answers of {STREAM_CHUNKS} chunks in {elapsed:.2f} s;"
-                f" gateway CPU {cpu / (done * STREAM_CHUNKS) * 1e6:,.1f} µs/chunk"
-            )
-            count = min(args.requests, 80)
-            cpu_before = cpu_seconds(gateway.pid)
-            done, elapsed, _ = trio.run(
-                load, gateway_port, key, 8, count, args.seconds, SPACED_STREAM_REQUEST
-            )
-            cpu = cpu_seconds(gateway.pid) - cpu_before
-            print(
-                f"  streaming, {TOKEN_INTERVAL * 1e3:g} ms between events: {done} answers;"
-                f" gateway CPU {cpu / (done * STREAM_CHUNKS) * 1e6:,.1f} µs/chunk"
+                f"  for scale, the kernel's part: one loopback write and read of a chunk {loopback_cost():.1f} µs"
             )
             # What the gateway adds to one request's latency: the same load straight at the engine.
             _, _, direct = trio.run(load, engine_port, b"bench-key", 1, 2000, args.seconds)
@@ -142,6 +178,45 @@ def run_benchmark(args: argparse.Namespace) -> None:
         engine.wait()
 
 
+def stream_cost(
+    pid: int, port: int, key: bytes, body: bytes, connections: int, count: int, seconds: float
+) -> float:
+    """CPU µs of process `pid` per chunk relayed, over up to `count` streamed answers."""
+    cpu_before = cpu_seconds(pid)
+    done, _, _ = trio.run(load, port, key, connections, count, seconds, body)
+    return (cpu_seconds(pid) - cpu_before) / (done * STREAM_CHUNKS) * 1e6
+
+
+def serve_floor(engine_port: int) -> None:
+    """A relay of bytes and nothing else: no HTTP, no key, no usage, no framing; each client
+    connection is spliced to an engine connection of its own. One thread, epoll, level-triggered,
+    no event loop library. What it costs per chunk is what the kernel and a wake-up cost."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    epoll = select.epoll()
+    epoll.register(listener, select.EPOLLIN)
+    peers: dict[int, socket.socket] = {}
+    sockets: dict[int, socket.socket] = {}
+    while True:
+        for fd, _ in epoll.poll():
+            if fd == listener.fileno():
+                client, _ = listener.accept()
+                engine = socket.create_connection(("127.0.0.1", engine_port))
+                for one, other in ((client, engine), (engine, client)):
+                    peers[one.fileno()], sockets[one.fileno()] = other, one
+                    epoll.register(one, select.EPOLLIN)
+                continue
+            # Blocking sockets: a read only follows readiness, and a write that waits is fine here.
+            data = sockets[fd].recv(65536)
+            if data:
+                peers[fd].sendall(data)
+            else:
+                for one in (sockets[fd], peers[fd]):
+                    epoll.unregister(one)
+                    del peers[one.fileno()], sockets[one.fileno()]
+                    one.close()
+
+
 def spawn(role: list[str], cores: set[int]) -> subprocess.Popen:
     child = subprocess.Popen([sys.executable, __file__, *role], stdout=subprocess.PIPE, text=True)
     os.sched_setaffinity(child.pid, cores)
@@ -149,13 +224,30 @@ def spawn(role: list[str], cores: set[int]) -> subprocess.Popen:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of `pid` (clock-tick resolution, 10 ms: fine over thousands)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of `pid`, user and system, from its process CPU clock (CPUCLOCK_SCHED, the
+    scheduler's own count). Not /proc/PID/stat: its ticks are samples, and a process that wakes
+    briefly thousands of times a second is sampled badly (it read 63 µs per spaced chunk where
+    this clock reads 44)."""
+    return time.clock_gettime(((~pid) << 3) | 2)
 
 
-async def serve_full_gateway(engine_port: int) -> None:
+def loopback_cost() -> float:
+    """µs for one chunk written to a loopback TCP socket and read at the other end: the kernel's
+    share of a relayed chunk, which no relay in user space avoids (it does both, per chunk, when
+    chunks arrive one at a time)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as writer:
+            reader, _ = server.accept()
+            with reader:
+                rounds = 20000
+                started = time.process_time()
+                for _ in range(rounds):
+                    writer.send(CHUNK)
+                    reader.recv(65536)
+                return (time.process_time() - started) / rounds * 1e6
+
+
+async def serve_full_gateway(engine_port: int, use_pump: bool) -> None:
     """The gateway with the control plane's gate: a real store (temporary), a tenant with
     generous quotas (counted, never hit) and a key whose secret goes to the parent."""
     from llmgw.core.quota import Limits
@@ -175,7 +267,9 @@ async def serve_full_gateway(engine_port: int) -> None:
             gate = ControlPlaneGate(tenants, router, capacity=lambda model: 1024, usage=usage)
             async with trio.open_nursery() as nursery:
                 await nursery.start(usage.run)
-                port = await nursery.start(partial(serve_gateway, router, "127.0.0.1", 0, gate=gate))
+                port = await nursery.start(
+                    partial(serve_gateway, router, "127.0.0.1", 0, gate=gate, use_pump=use_pump)
+                )
                 print(port, flush=True)
                 print(secret, flush=True)
         finally:
@@ -192,6 +286,15 @@ async def serve_engine() -> None:
     """The fake engine: h11 over trio's own SocketStream (not the gateway's socket code, so its
     pace, one write and one yield per event as an engine sending tokens, is its own)."""
 
+    step = trio.Event()  # set at each decode step, then replaced
+
+    async def decode_steps() -> None:
+        nonlocal step
+        while True:
+            await trio.sleep(STEP_INTERVAL)
+            step.set()
+            step = trio.Event()
+
     async def connection(stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER)
         head = h11.Response(
@@ -207,6 +310,14 @@ async def serve_engine() -> None:
         async def send(*events: h11.Event) -> None:
             await stream.send_all(b"".join(conn.send(event) or b"" for event in events))
 
+        async def send_now(data: bytes) -> None:
+            """A write that yields only if the socket is full."""
+            while data:
+                try:
+                    data = data[os.write(stream.socket.fileno(), data) :]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(stream.socket)
+
         try:
             while type(await next_event()) is h11.Request:
                 body = b""
@@ -215,10 +326,15 @@ async def serve_engine() -> None:
                 if b'"stream":true' in body:
                     # One write per event, as an engine sends tokens: the gateway sees each chunk.
                     await send(h11.Response(status_code=200, headers=STREAM_HEADERS))
-                    spaced = b'"spaced":true' in body
+                    pace = _PACE.search(body)[1]
                     for _ in range(STREAM_CHUNKS):
+                        if pace == b"flood":
+                            await send_now(b"%x\r\n%b\r\n" % (len(CHUNK), CHUNK))  # h11 is not told
+                            continue
+                        if pace == b"batched":
+                            await step.wait()
                         await send(h11.Data(data=CHUNK))
-                        if spaced:
+                        if pace == b"spaced":
                             await trio.sleep(TOKEN_INTERVAL)
                     await send(h11.Data(data=USAGE_EVENT + b"data: [DONE]\n\n"), h11.EndOfMessage())
                 else:
@@ -229,7 +345,9 @@ async def serve_engine() -> None:
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     print(listeners[0].socket.getsockname()[1], flush=True)
-    await trio.serve_listeners(connection, listeners)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(decode_steps)
+        await trio.serve_listeners(connection, listeners)
 
 
 async def load(
@@ -287,6 +405,7 @@ async def load(
     return len(latencies), trio.current_time() - started, latencies
 
 
+_PACE = re.compile(rb'"pace":"(\w+)"')
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)")
 
 
