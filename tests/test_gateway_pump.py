@@ -312,3 +312,33 @@ async def test_a_failed_client_write_is_client_gone(nursery):
         await stream.done.wait()
     assert isinstance(stream.failure, ClientGone)
     pair.close()
+
+
+async def test_while_several_streams_are_ready_the_pump_lingers_and_relays_chunks_together(nursery):
+    pump = StreamPump(linger=0.5)  # long, so that the test can write during it
+    await nursery.start(pump.run)
+    first, second = Pair(), Pair()
+    one = await first.stream(pump)
+    await second.stream(pump)
+    for pair in (first, second):
+        read_all(pair.client_side)  # the heads
+    a, b, c, d = (sse(token_chunk(text)) for text in "abcd")
+    # Two streams ready at one look: the next wake-up lingers.
+    first.engine.send(chunk(a))
+    second.engine.send(chunk(a))
+    await trio.testing.wait_all_tasks_blocked()
+    assert read_all(first.client_side) == chunk(a) and read_all(second.client_side) == chunk(a)
+    first.engine.send(chunk(b))
+    await trio.testing.wait_all_tasks_blocked()  # the pump woke, and waits
+    assert read_all(first.client_side) == b""
+    first.engine.send(chunk(c))
+    with trio.fail_after(10):
+        await trio.lowlevel.wait_readable(first.client_side)
+    assert read_all(first.client_side) == chunk(b + c)  # one read, one write for both
+    # That look found one stream ready: the next chunk goes at once.
+    first.engine.send(chunk(d))
+    await trio.testing.wait_all_tasks_blocked()
+    assert read_all(first.client_side) == chunk(d)
+    assert not one.done.is_set()
+    first.close()
+    second.close()
