@@ -1,4 +1,5 @@
-"""The stream pump: streamed answers relayed by one task, over real sockets on 127.0.0.1.
+"""The stream pump: streamed answers relayed by one task, over real sockets (through a gateway on
+127.0.0.1, and on socket pairs for the pump by itself).
 
 The relay's behaviour on streams (chunks as they come, usage stripped, silence cut off) is tested in
 test_gateway_relay.py with and without the pump; here is what only the pump has to get right: a
@@ -175,23 +176,22 @@ class Pair:
         self.client_side = client_side
         self.connection = EngineConnection(trio.SocketStream(trio.socket.from_stdlib_socket(engine_side)))
 
-    async def stream(self, pump: StreamPump, *, strip: bool = True) -> PumpedStream:
+    async def stream(self, pump: StreamPump) -> PumpedStream:
         self.engine.send(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         )
         await self.connection.read_head()
-        stream = PumpedStream(
-            self.connection,
-            self.client.fileno(),
-            StreamUsage(strip=strip),
-            head=b"HEAD\r\n\r\n",
-            chunked=True,
+        self.pump = pump
+        self.pumped = PumpedStream(
+            self.connection, self.client.fileno(), StreamUsage(strip=True), head=b"HEAD\r\n\r\n", chunked=True
         )
-        pump.attach(stream)
-        return stream
+        pump.attach(self.pumped)
+        return self.pumped
 
     def close(self) -> None:
-        for one in (self.engine, self.client, self.client_side):
+        """As the relay does: the pump lets go of the stream, then its sockets close."""
+        self.pump.detach(self.pumped)
+        for one in (self.engine, self.client, self.client_side, self.connection.stream.socket):
             one.close()
 
 
