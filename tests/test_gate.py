@@ -3,6 +3,8 @@ queue's room, timeouts and cancellation. No sockets: the gate is driven directly
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 import trio
@@ -10,7 +12,7 @@ import trio.testing
 
 from llmgw.core.quota import Limits
 from llmgw.gateway import GatewayError, RequestRecord, Upstream, Usage
-from llmgw.server.gate import ControlPlaneGate, estimate_tokens
+from llmgw.server.gate import CHARS_PER_TOKEN, DEFAULT_COMPLETION_ESTIMATE, ControlPlaneGate, estimate_tokens
 
 
 @attrs.frozen
@@ -65,8 +67,10 @@ def served(usage: Usage | None) -> RequestRecord:
     return record
 
 
-def chat(max_tokens: int = 10) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+def chat(max_tokens: int = 10) -> tuple[dict, int]:
+    """A request's payload and its body's size, as the relay hands them to admit."""
+    payload = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    return payload, len(json.dumps(payload))
 
 
 ALICE = Key(id="k-a", tenant="alice")
@@ -90,9 +94,9 @@ async def test_a_key_may_use_only_its_models():
     g = gate(Keys(("s", key)))
     assert g.models(key, ["m", "other"]) == ["m"]
     with pytest.raises(GatewayError) as refused:
-        await g.admit(key, "other", chat())
+        await g.admit(key, "other", *chat())
     assert refused.value.status == 403
-    ticket = await g.admit(key, "m", chat())
+    ticket = await g.admit(key, "m", *chat())
     g.finish(ticket, served(Usage(1, 1, 2)))
 
 
@@ -102,14 +106,14 @@ async def test_sixty_four_concurrent_clients_never_overshoot_a_token_quota(autoj
     the limit (no request is larger than the limit here)."""
     limit = 1_000
     g = gate(Keys(("s", ALICE), tenant_limits={"alice": Limits(tpm=limit)}), slots=64)
-    estimate = estimate_tokens(chat(max_tokens=90))
+    estimate = estimate_tokens(*chat(max_tokens=90))
     admitted: list[object] = []
     refused: list[GatewayError] = []
     release = trio.Event()
 
     async def client():
         try:
-            ticket = await g.admit(ALICE, "m", chat(max_tokens=90))
+            ticket = await g.admit(ALICE, "m", *chat(max_tokens=90))
         except GatewayError as error:
             refused.append(error)
             return
@@ -132,11 +136,11 @@ async def test_requests_wait_for_room_and_are_let_through_as_slots_free(autojump
     room = Room(1)
     usage = Usages()
     g = ControlPlaneGate(Keys(("s", ALICE)), router=None, capacity=room, usage=usage)
-    first = await g.admit(ALICE, "m", chat())
+    first = await g.admit(ALICE, "m", *chat())
     second_in = trio.Event()
 
     async def second():
-        ticket = await g.admit(ALICE, "m", chat())
+        ticket = await g.admit(ALICE, "m", *chat())
         second_in.set()
         g.finish(ticket, served(Usage(1, 1, 2)))
 
@@ -156,11 +160,11 @@ async def test_requests_wait_for_room_and_are_let_through_as_slots_free(autojump
 async def test_more_room_lets_waiters_through(autojump_clock):
     room = Room(1)
     g = ControlPlaneGate(Keys(("s", ALICE)), router=None, capacity=room)
-    held = await g.admit(ALICE, "m", chat())
+    held = await g.admit(ALICE, "m", *chat())
     through = trio.Event()
 
     async def waiter():
-        await g.admit(ALICE, "m", chat())
+        await g.admit(ALICE, "m", *chat())
         through.set()
 
     async with trio.open_nursery() as nursery:
@@ -175,46 +179,53 @@ async def test_more_room_lets_waiters_through(autojump_clock):
 async def test_no_ready_replica_is_503_at_once_and_a_long_wait_is_503_after_the_timeout(autojump_clock):
     g = gate(Keys(("s", ALICE)), slots=0)
     with pytest.raises(GatewayError) as none_ready:
-        await g.admit(ALICE, "m", chat())
+        await g.admit(ALICE, "m", *chat())
     assert none_ready.value.code == "no_ready_replica"
 
     g = gate(Keys(("s", ALICE)), slots=1, queue_timeout=5)
-    held = await g.admit(ALICE, "m", chat())
+    held = await g.admit(ALICE, "m", *chat())
     started = trio.current_time()
     with pytest.raises(GatewayError) as timed_out:
-        await g.admit(ALICE, "m", chat())
+        await g.admit(ALICE, "m", *chat())
     assert timed_out.value.status == 503 and trio.current_time() - started == pytest.approx(5)
     assert g.queue_depths() == {"m": {}}
     g.finish(held, served(None))
 
 
 async def test_a_waiter_that_leaves_holds_nothing(autojump_clock):
-    limit = 3 * estimate_tokens(chat())
+    limit = 3 * estimate_tokens(*chat())
     g = gate(Keys(("s", ALICE), tenant_limits={"alice": Limits(tpm=limit)}), slots=1)
-    held = await g.admit(ALICE, "m", chat())
+    held = await g.admit(ALICE, "m", *chat())
     with trio.move_on_after(1):
-        await g.admit(ALICE, "m", chat())  # the client goes away while queued
+        await g.admit(ALICE, "m", *chat())  # the client goes away while queued
     # Its reservation and its place are gone: two more fit in the quota, once the slot frees.
     g.finish(held, served(None))
-    first = await g.admit(ALICE, "m", chat())
+    first = await g.admit(ALICE, "m", *chat())
     g.finish(first, served(None))
-    await g.admit(ALICE, "m", chat())
+    await g.admit(ALICE, "m", *chat())
 
 
 async def test_settlement_uses_the_real_usage_and_a_request_that_reached_no_engine_costs_nothing():
     limit = 100
     g = gate(Keys(("s", ALICE), tenant_limits={"alice": Limits(tpm=limit)}))
     big = chat(max_tokens=60)
-    ticket = await g.admit(ALICE, "m", big)
+    ticket = await g.admit(ALICE, "m", *big)
     never_sent = RequestRecord(path="/v1/chat/completions", started=0.0, model="m", status=503)
     g.finish(ticket, never_sent)  # released: the whole quota is back
-    ticket = await g.admit(ALICE, "m", big)
+    ticket = await g.admit(ALICE, "m", *big)
     g.finish(ticket, served(Usage(5, 5, 10)))  # settled at 10, not 60+
-    ticket = await g.admit(ALICE, "m", big)  # fits only because the first settled low
+    ticket = await g.admit(ALICE, "m", *big)  # fits only because the first settled low
     g.finish(ticket, served(Usage(5, 5, 10)))
 
 
 def test_estimates_count_the_prompt_and_the_most_it_may_write():
-    assert estimate_tokens({"messages": [], "max_tokens": 100}) > 100
-    assert estimate_tokens({"prompt": "x" * 300, "max_tokens": 10}) >= 110
-    assert estimate_tokens({"messages": []}) >= 256  # no max_tokens: a typical answer
+    assert estimate_tokens({"messages": [], "max_tokens": 100}, 30) > 100
+    assert estimate_tokens({"prompt": "x" * 300, "max_tokens": 10}, 330) >= 10 + 300 // CHARS_PER_TOKEN
+    # Either limit on the answer counts; without one, a typical answer's length.
+    assert estimate_tokens({"max_completion_tokens": 7}, 0) == 7 + 1
+    assert estimate_tokens({"messages": []}, 20) >= DEFAULT_COMPLETION_ESTIMATE
+    # The whole body counts as prompt: tool definitions are prompt to an engine too.
+    assert (
+        estimate_tokens({"max_tokens": 1}, 4_000) - estimate_tokens({"max_tokens": 1}, 0)
+        == 4_000 // CHARS_PER_TOKEN
+    )

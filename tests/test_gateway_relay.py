@@ -391,7 +391,7 @@ class FakeGate:
     def models(self, caller, served):
         return [m for m in served if m == "m"]
 
-    async def admit(self, caller, model, payload):
+    async def admit(self, caller, model, payload, body_size):
         if model != "m":
             raise GatewayError(403, f"this key may not use '{model}'", code="model_not_allowed")
         if caller == "limited":

@@ -24,9 +24,10 @@ class Gate(Protocol):
         """Of the models served, those this caller may use."""
         ...
 
-    async def admit(self, caller: Any, model: str, payload: dict) -> Any:
+    async def admit(self, caller: Any, model: str, payload: dict, body_size: int) -> Any:
         """A ticket to go ahead: model allowed (else 403), quota reserved (else 429), a place
-        through the admission queue (may wait; 429 when full). Cancellation leaves nothing held."""
+        through the admission queue (may wait; 429 when full). Cancellation leaves nothing held.
+        `payload` is the decoded body, `body_size` its length in bytes."""
         ...
 
     def finish(self, ticket: Any, record: RequestRecord) -> None:

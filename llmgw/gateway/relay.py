@@ -111,7 +111,7 @@ class Relay:
             if self.gate is not None:
                 if model not in self.router.models():
                     raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
-                ticket = await self.gate.admit(caller, model, payload)
+                ticket = await self.gate.admit(caller, model, payload, len(body))
             await self._forward(client, path, payload, body, record)
         except GatewayError as error:
             record.status = error.status

@@ -14,7 +14,6 @@ server.routing); the engines' own metrics refine this in a later step.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -109,7 +108,7 @@ class ControlPlaneGate:
     def models(self, caller: CallerKey, served: Sequence[str]) -> Sequence[str]:
         return [m for m in served if not caller.models or m in caller.models]
 
-    async def admit(self, caller: CallerKey, model: str, payload: dict) -> Ticket:
+    async def admit(self, caller: CallerKey, model: str, payload: dict, body_size: int) -> Ticket:
         if caller.models and model not in caller.models:
             raise GatewayError(403, f"This API key may not use the model '{model}'", code="model_not_allowed")
         now = trio.current_time()
@@ -117,7 +116,7 @@ class ControlPlaneGate:
         quotas = {("tenant", caller.tenant): (tenant.limits if tenant is not None else None) or Limits()}
         if caller.limits is not None:
             quotas[("key", caller.id)] = caller.limits
-        reserved = self._quotas.reserve(quotas, estimate_tokens(payload), now)
+        reserved = self._quotas.reserve(quotas, estimate_tokens(payload, body_size), now)
         if isinstance(reserved, Refused):
             who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
             raise GatewayError(
@@ -236,11 +235,13 @@ class ControlPlaneGate:
 _LIMIT_NAMES = {"rpm": "requests-per-minute", "tpm": "tokens-per-minute", "tpd": "tokens-per-day"}
 
 
-def estimate_tokens(payload: dict) -> int:
-    """What to reserve before the answer is known: the prompt's size plus the most it may write."""
+def estimate_tokens(payload: dict, body_size: int) -> int:
+    """What to reserve before the answer is known: the prompt's size plus the most it may write.
+
+    The prompt's size is taken from the body's: its bytes are nearly all prompt (tool definitions
+    and the like are prompt to the engine too). Encoding the messages again to measure them cost
+    700 µs for 200 KB of conversation."""
     completion = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if not isinstance(completion, int) or completion <= 0:
         completion = DEFAULT_COMPLETION_ESTIMATE
-    prompt = payload.get("messages", payload.get("prompt", payload.get("input", "")))
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
-    return completion + len(text) // CHARS_PER_TOKEN + 1
+    return completion + body_size // CHARS_PER_TOKEN + 1
