@@ -6,8 +6,10 @@ registers its wait anew (trio's epoll registrations are one-shot, so that is a s
 one task, the pump, relays every stream of the process. The engines' sockets sit in an epoll set
 of the pump's own, registered once and level-triggered, and trio waits on that set's descriptor.
 One wake-up drains every stream that has bytes, and a chunk costs a read, the usage scan and a
-write; while chunks come thick and fast, a wake-up waits a moment for more (see LINGER). Measured with scripts/bench_relay.py: 64 streams fed a decode step at a time, 56-79 → 28-34
-µs of CPU per chunk; events that each arrive alone, 64-83 → 38-52 µs.
+write; while chunks come thick and fast, a wake-up waits a moment for more (see LINGER).
+Measured with scripts/bench_relay.py over the session's runs, CPU µs per chunk, a task per stream
+against the pump: 64 streams fed a decode step at a time, 56-79 against 23-45; events that each
+arrive alone, 64-83 against 45-77 (this VM's wake-ups are dear: a bare byte relay pays ~20).
 
 The request's task keeps what is per request: it hands its stream over, waits for it to end or
 to fall silent past the timeout, and tidies up whatever the outcome. All the pump does to a stream
@@ -35,9 +37,9 @@ MAX_EVENTS = 256
 # the next wake waits this long before it looks, so that what comes meanwhile leaves together, a
 # read and a write for several chunks of a stream. It stops as soon as a look finds a single socket
 # ready, so sparse streams rarely pay for it; it delays a token by at most this. Measured with
-# scripts/bench_relay.py, CPU µs per chunk: an engine sending back to back, 23-30 -> 7.5-10; one
-# that is not the bottleneck, 8-10 -> 6-7; a decode step at a time, 28-31 -> 23-27; tokens 2 ms
-# apart, 37-52 -> 45-53 (no clear change in runs this noisy).
+# scripts/bench_relay.py in one quiet hour, CPU µs per chunk without and with it: an engine
+# sending back to back, 23-30 -> 7.5-10; one that is not the bottleneck, 8-10 -> 6-7; a decode
+# step at a time, 28-31 -> 23-27; tokens 2 ms apart, 37-52 -> 45-53 (no clear change, so noisy).
 LINGER = 0.0002
 
 
