@@ -9,7 +9,7 @@ One wake-up drains every stream that has bytes, and a chunk costs a read, the us
 write; while chunks come thick and fast, a wake-up waits a moment for more (see LINGER).
 Measured with scripts/bench_relay.py over the session's runs, CPU µs per chunk, a task per stream
 against the pump: 64 streams fed a decode step at a time, 56-79 against 23-45; events that each
-arrive alone, 64-83 against 45-77 (this VM's wake-ups are dear: a bare byte relay pays ~20).
+arrive alone, 46-83 against 45-77 (this VM's wake-ups are dear: a bare byte relay pays ~20).
 
 The request's task keeps what is per request: it hands its stream over, waits for it to end or
 to fall silent past the timeout, and tidies up whatever the outcome. All the pump does to a stream
