@@ -252,6 +252,9 @@ class GatewayConfig:
     # Time to first token a request should not exceed; each one above counts as an SLO violation
     # (llmgw_ttft_slo_violations_total on the gateway's /metrics).
     ttft_target: Duration = 2.0
+    # How long a request may wait for a replica with room — also for one being started, scaled
+    # up from zero or re-adopted after a server restart — before it is answered 503.
+    queue_timeout: Duration = 60.0
 
 
 @attrs.frozen(kw_only=True)
@@ -537,6 +540,7 @@ def _make_converter() -> cattrs.Converter:
             Profile,
             startup_timeout=override(struct_hook=lambda v, _t: parse_duration(v)),
             ttft_target=override(struct_hook=lambda v, _t: None if v is None else parse_duration(v)),
+            scale_to_zero_after=override(struct_hook=lambda v, _t: parse_duration(v)),
         ),
     )
     # Annotated types are not classes, so they are matched by equality (which compares the marker).

@@ -256,6 +256,7 @@ async def serve_full_gateway(engine_port: int, use_pump: bool) -> None:
     generous quotas (counted, never hit) and a key whose secret goes to the parent."""
     from llmgw.core.quota import Limits
     from llmgw.server.gate import ControlPlaneGate
+    from llmgw.server.routing import FixedRoutes
     from llmgw.server.store import AsyncStore
     from llmgw.server.tenants import Tenants
     from llmgw.server.usage import UsageRecorder
@@ -267,8 +268,9 @@ async def serve_full_gateway(engine_port: int, use_pump: bool) -> None:
             await tenants.create_tenant("bench", Limits(rpm=10**9, tpm=10**12, tpd=10**13))
             _, secret = await tenants.create_key("bench")
             usage = UsageRecorder(store)
-            router = StaticRouter({"m": [Upstream("127.0.0.1", engine_port, "bench-key")]})
-            gate = ControlPlaneGate(tenants, router, capacity=lambda model: 1024, usage=usage)
+            table = {"m": [Upstream("127.0.0.1", engine_port, "bench-key")]}
+            router = StaticRouter(table)
+            gate = ControlPlaneGate(tenants, FixedRoutes(table, slots=1024), usage)
             async with trio.open_nursery() as nursery:
                 await nursery.start(usage.run)
                 port = await nursery.start(

@@ -303,6 +303,8 @@ async def test_listings_show_every_option_and_the_owner(admin: Api):
     assert profile["flags"] == [] and profile["adapters"] == []
     assert profile["source"] == "config"
     assert isinstance(profile["updated"], float)
+    # No scaler and no gateway behind this app: nothing is known of the wanted count yet.
+    assert profile["scale"] == {"wanted": None, "reason": "", "waiting": 0}
 
 
 async def test_apply_creates_then_reports_unchanged(admin: Api):

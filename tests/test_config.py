@@ -160,6 +160,8 @@ def test_server_full_file(tmp_path: Path) -> None:
         "admin:\n"
         "  listen: 0.0.0.0:9000\n"
         "  token_file: admin.token\n"
+        "gateway:\n"
+        "  queue_timeout: 5m\n"
     )
     config = load_server_config(path)
     etc = path.parent
@@ -174,6 +176,7 @@ def test_server_full_file(tmp_path: Path) -> None:
         cert_file=etc / "tls/server.crt", key_file=Path("/etc/tls/server.key")
     )
     assert config.admin.listen == Address(host="0.0.0.0", port=9000)
+    assert config.gateway.queue_timeout == 300.0
     assert config.join_token_path == etc / "secrets/join"
     assert config.admin_token_path == etc / "admin.token"
 
@@ -396,6 +399,7 @@ def test_parse_duration_is_public() -> None:
     [
         ("link:\n  heartbeat_interval: x\n", "link.heartbeat_interval"),
         ("link:\n  handshake_timeout: x\n", "link.handshake_timeout"),
+        ("gateway:\n  queue_timeout: x\n", "gateway.queue_timeout"),
     ],
 )
 def test_every_server_duration_is_checked(text: str, key: str) -> None:
@@ -746,6 +750,8 @@ profiles:
     band: -1
     startup_timeout: 15m
     spread: true
+    routing: least-loaded
+    scale_to_zero_after: 30m
 """
 
 
@@ -774,6 +780,8 @@ def test_catalog_sections() -> None:
         Adapter(name="support", source="support-bot"),
     )
     assert (gpu.max_replicas, gpu.band, gpu.startup_timeout, gpu.spread) == (3, -1, 900.0, True)
+    assert (gpu.routing, gpu.scale_to_zero_after) == ("least-loaded", 1800.0)
+    assert (cpu.routing, cpu.routing_load_factor, cpu.scale_to_zero_after) == ("prefix", 1.25, 900.0)
 
 
 @pytest.mark.parametrize("text", ["models:\nprofiles:\n", "models: {}\nprofiles: {}\n"])
@@ -808,7 +816,8 @@ MODEL = "models:\n  m: {path: org/m, format: safetensors}\n"
         (MODEL + PROFILE + "    gpus: 2\n", "server.yaml: profiles.chat.gpus: unknown key (expected one of: model, "
          "engine, gpu_class, gpus_per_node, nodes, tensor_parallel, pipeline_parallel, memory_mib, cpu_cores, "
          "launcher, flags, adapters, ctx_size, parallel, dtype, quantization, min_replicas, max_replicas, band, "
-         "startup_timeout, ttft_target, spread)"),
+         "startup_timeout, ttft_target, spread, routing, routing_load_factor, routing_prefix_chars, "
+         "scale_to_zero_after)"),
         (MODEL + PROFILE, "server.yaml: profiles.chat.memory_mib: required option is missing"),
         (
             MODEL + "profiles:\n  chat: {model: m, engine: llamacpp, memory_mib: 1}\n",

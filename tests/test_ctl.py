@@ -363,8 +363,10 @@ PROFILES = [
         max_replicas=3,
         band=10,
         source="api",
+        routing="least-loaded",
+        scale={"wanted": 0, "reason": "down to 0: no request for 900 s", "waiting": 3},
     ),
-    profile("smollm2-cpu", memory_mib=1536),
+    profile("smollm2-cpu", memory_mib=1536),  # as a server before `scale` lists it
 ]
 
 
@@ -384,10 +386,12 @@ def test_models_table():
 
 def test_profiles_table():
     assert table_lines(render.profiles_table(PROFILES)) == [
-        ["NAME", "MODEL", "ENGINE", "ON", "TP×PP", "REPLICAS", "BAND", "SOURCE"],
-        ["qwen-h100", "org/qwen", "vllm", "2×", "h100-80g", "×", "2", "nodes", "2×2", "0–3", "10", "api"],
-        ["smollm2-cpu", "smollm2-135m", "llamacpp", "cpu", "1.5", "GiB", "1×1", "1–1", "0", "config"],
-    ]
+        ["NAME", "MODEL", "ENGINE", "ON", "TP×PP", "REPLICAS", "WANT", "WAIT", "ROUTING", "BAND", "SOURCE", "SCALING"],
+        ["qwen-h100", "org/qwen", "vllm", "2×", "h100-80g", "×", "2", "nodes", "2×2", "0–3", "0", "3", "least-loaded",
+         "10", "api", "down", "to", "0:", "no", "request", "for", "900", "s"],
+        ["smollm2-cpu", "smollm2-135m", "llamacpp", "cpu", "1.5", "GiB", "1×1", "1–1", "-", "0", "-", "0", "config",
+         "-"],
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import trio.testing
 from llmgw.core.quota import Limits
 from llmgw.gateway import GatewayError, RequestRecord, Upstream, Usage
 from llmgw.server.gate import CHARS_PER_TOKEN, DEFAULT_COMPLETION_ESTIMATE, ControlPlaneGate, estimate_tokens
+from llmgw.server.routing import Route, Routes
 
 
 @attrs.frozen
@@ -43,13 +44,22 @@ class Tenant:
 
 
 class Room:
-    """capacity(model), settable by the test."""
+    """The router's routes for model "m": Ready replicas with these slots, settable by the test."""
 
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
+    def __init__(self, *slots: int, policy: str = "round-robin") -> None:
+        self.policy = policy
+        self.set(*slots)
 
-    def __call__(self, model: str) -> int:
-        return self.slots
+    def set(self, *slots: int) -> None:
+        self.replicas = tuple(
+            Route(
+                replica=f"r{i}", upstream=Upstream("127.0.0.1", 20000 + i, "k", f"r{i}"), slots=n, load=None
+            )
+            for i, n in enumerate(slots)
+        )
+
+    def routes(self, model: str) -> Routes | None:
+        return Routes(policy=self.policy, replicas=self.replicas) if model == "m" else None
 
 
 class Usages:
@@ -77,7 +87,7 @@ ALICE = Key(id="k-a", tenant="alice")
 
 
 def gate(keys: Keys, slots: int = 8, usage: Usages | None = None, **options) -> ControlPlaneGate:
-    return ControlPlaneGate(keys, router=None, capacity=Room(slots), usage=usage, **options)
+    return ControlPlaneGate(keys, Room(slots), usage=usage, **options)
 
 
 def test_authentication_wants_a_bearer_key_it_knows():
@@ -133,9 +143,8 @@ async def test_sixty_four_concurrent_clients_never_overshoot_a_token_quota(autoj
 
 
 async def test_requests_wait_for_room_and_are_let_through_as_slots_free(autojump_clock):
-    room = Room(1)
     usage = Usages()
-    g = ControlPlaneGate(Keys(("s", ALICE)), router=None, capacity=room, usage=usage)
+    g = ControlPlaneGate(Keys(("s", ALICE)), Room(1), usage=usage)
     first = await g.admit(ALICE, "m", *chat())
     second_in = trio.Event()
 
@@ -159,7 +168,7 @@ async def test_requests_wait_for_room_and_are_let_through_as_slots_free(autojump
 
 async def test_more_room_lets_waiters_through(autojump_clock):
     room = Room(1)
-    g = ControlPlaneGate(Keys(("s", ALICE)), router=None, capacity=room)
+    g = ControlPlaneGate(Keys(("s", ALICE)), room)
     held = await g.admit(ALICE, "m", *chat())
     through = trio.Event()
 
@@ -170,26 +179,79 @@ async def test_more_room_lets_waiters_through(autojump_clock):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(waiter)
         await trio.testing.wait_all_tasks_blocked()
-        room.slots = 2  # a second replica became Ready
+        room.set(1, 1)  # a second replica became Ready
         g.redispatch()
     assert through.is_set()
     g.finish(held, served(None))
 
 
-async def test_no_ready_replica_is_503_at_once_and_a_long_wait_is_503_after_the_timeout(autojump_clock):
-    g = gate(Keys(("s", ALICE)), slots=0)
-    with pytest.raises(GatewayError) as none_ready:
+async def test_with_no_ready_replica_a_request_waits_for_one_and_is_503_after_the_timeout(autojump_clock):
+    room = Room()
+    woke: list[str] = []
+    g = ControlPlaneGate(Keys(("s", ALICE)), room, queue_timeout=30, on_waiting=woke.append)
+    started = trio.current_time()
+    with pytest.raises(GatewayError) as timed_out:
         await g.admit(ALICE, "m", *chat())
-    assert none_ready.value.code == "no_ready_replica"
+    assert (timed_out.value.status, timed_out.value.code) == (503, "queue_timeout")
+    assert "'m' became ready within 30 s" in timed_out.value.message
+    assert trio.current_time() - started == pytest.approx(30) and woke == ["m"]
 
+    tickets = []
+
+    async def client():
+        tickets.append(await g.admit(ALICE, "m", *chat()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client)
+        await trio.sleep(5)  # the replica starts meanwhile
+        assert not tickets and g.queue_depths() == {"m": {0: 1}}
+        room.set(4)
+        g.redispatch()
+    assert [t.replica for t in tickets] == ["r0"] and tickets[0].upstreams[0].port == 20000
+
+
+async def test_a_long_wait_for_room_is_503_after_the_timeout(autojump_clock):
     g = gate(Keys(("s", ALICE)), slots=1, queue_timeout=5)
     held = await g.admit(ALICE, "m", *chat())
     started = trio.current_time()
     with pytest.raises(GatewayError) as timed_out:
         await g.admit(ALICE, "m", *chat())
     assert timed_out.value.status == 503 and trio.current_time() - started == pytest.approx(5)
+    assert "had room within 5 s" in timed_out.value.message
     assert g.queue_depths() == {"m": {}}
     g.finish(held, served(None))
+
+
+async def test_room_is_per_replica_and_a_waiter_goes_to_the_one_that_frees(autojump_clock):
+    g = ControlPlaneGate(Keys(("s", ALICE)), Room(1, 2))
+    tickets = [await g.admit(ALICE, "m", *chat()) for _ in range(3)]
+    assert sorted(t.replica for t in tickets) == ["r0", "r1", "r1"]
+    assert g.in_flight("m") == {"r0": 1, "r1": 2}
+    through = []
+
+    async def waiter():
+        through.append(await g.admit(ALICE, "m", *chat()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not through  # three slots, three in flight
+        g.finish(next(t for t in tickets if t.replica == "r0"), served(None))
+    assert [t.replica for t in through] == ["r0"]
+    assert [u.replica for u in through[0].upstreams] == ["r0", "r1"]  # the full one as fallback
+
+
+async def test_idle_time_counts_from_the_last_request(autojump_clock):
+    g = gate(Keys(("s", ALICE)))
+    assert g.idle_for("m") == 0
+    await trio.sleep(10)
+    assert g.idle_for("m") == pytest.approx(10)
+    ticket = await g.admit(ALICE, "m", *chat())
+    await trio.sleep(3)
+    assert g.idle_for("m") == 0  # busy
+    g.finish(ticket, served(None))
+    await trio.sleep(4)
+    assert g.idle_for("m") == pytest.approx(4)
 
 
 async def test_a_waiter_that_leaves_holds_nothing(autojump_clock):

@@ -377,10 +377,17 @@ async def test_a_client_connection_failure_leaves_others_served(nursery):
     assert await gateway.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
 
 
+@attrs.frozen
+class FakeTicket:
+    caller: str
+    upstreams: tuple[Upstream, ...]  # where the gate sends the request, best first
+
+
 class FakeGate:
     """Callers are "Bearer good" (may use m) and "Bearer limited" (out of quota)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routes: dict[str, list[Upstream]]) -> None:
+        self.routes = routes
         self.finished: list[tuple[object, RequestRecord]] = []
 
     def authenticate(self, authorization):
@@ -396,7 +403,7 @@ class FakeGate:
             raise GatewayError(403, f"this key may not use '{model}'", code="model_not_allowed")
         if caller == "limited":
             raise GatewayError(429, "tokens per minute exceeded", code="rate_limited", retry_after=2.5)
-        return ("ticket", caller)
+        return FakeTicket(caller, tuple(self.routes[model]))
 
     def finish(self, ticket, record):
         self.finished.append((ticket, record))
@@ -405,8 +412,9 @@ class FakeGate:
 async def test_the_gate_authenticates_admits_and_settles(nursery):
     engine = FakeEngine()
     upstream = await engine.start(nursery)
-    gate = FakeGate()
-    gateway = await Gateway().start(nursery, {"m": [upstream], "other": [upstream]}, gate=gate)
+    routes = {"m": [upstream], "other": [upstream]}
+    gate = FakeGate(routes)
+    gateway = await Gateway().start(nursery, routes, gate=gate)
     good = [(b"authorization", b"Bearer good")]
 
     assert (await gateway.call("POST", "/v1/chat/completions", chat()))[0] == 401
@@ -433,7 +441,7 @@ async def test_the_gate_authenticates_admits_and_settles(nursery):
     assert (await gateway.call("GET", "/v1/models"))[0] == 401
     # Only the admitted request was settled, with what it cost.
     [(ticket, record)] = gate.finished
-    assert ticket == ("ticket", "good") and record.usage == Usage(3, 5, 8) and record.status == 200
+    assert ticket.caller == "good" and record.usage == Usage(3, 5, 8) and record.status == 200
     assert len(engine.seen) == 1  # nothing refused reached the engine
 
 

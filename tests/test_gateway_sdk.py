@@ -14,6 +14,7 @@ import trio
 from llmgw.core.quota import Limits
 from llmgw.gateway import StaticRouter, serve_gateway
 from llmgw.server.gate import ControlPlaneGate
+from llmgw.server.routing import FixedRoutes
 from tests.test_gateway_relay import ANSWER, FakeEngine, silent_reply, streaming_reply
 
 
@@ -54,7 +55,8 @@ async def start(nursery: trio.Nursery, **options) -> str:
         "big": [await FakeEngine().start(nursery)],
     }
     router = StaticRouter(routes)
-    gate = ControlPlaneGate(Keys(), router, capacity=lambda model: len(routes[model]) * 4)
+    # "none" has no replica: its request waits this long for one, then it is a 503.
+    gate = ControlPlaneGate(Keys(), FixedRoutes(routes), queue_timeout=0.5)
     port = await nursery.start(
         partial(serve_gateway, router, "127.0.0.1", 0, gate=gate, upstream_timeout=0.5, **options)
     )

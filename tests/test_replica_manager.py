@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmgw.core.catalog import Profile
+from llmgw.core.replica import Replica, ReplicaState
 from llmgw.core.scaling import EngineLoad, LoadSignals, ScalePolicy
 from llmgw.server.replicas import ReplicaManager
 
@@ -63,3 +64,19 @@ def test_the_wanted_count_follows_a_changed_min_and_max():
     assert m._desired(now=0.0) == {"chat": 2}
     m._catalog.profile = profile(min_replicas=0, max_replicas=0)  # ctl scale --replicas 0
     assert m._desired(now=1.0) == {"chat": 0}
+
+
+def test_an_adopted_replica_is_wanted_even_below_min_replicas():
+    """After a server restart, a min_replicas 0 profile's running replica is adopted: the scaler
+    starts from it, instead of from 0, which would drain the replica its clients wait for."""
+    m = manager(LoadSignals(), profile(min_replicas=0, max_replicas=2))
+    m._records = {
+        "r-1": Replica(id="r-1", profile="chat", model="m", state=ReplicaState.READY, since=0, created=0)
+    }
+    m._want_at_least_what_runs(m._catalog.profile)
+    assert m._desired(now=0.0) == {"chat": 1}
+    assert m.wanted("chat") == (
+        1,
+        "holding at 1: no requests and no replica is Ready; the last replica "
+        "stays until 900 s without a request (idle 0 s)",
+    )

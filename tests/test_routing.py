@@ -68,25 +68,41 @@ def router(load=None) -> ReplicaRouter:
     )
 
 
-def test_room_is_each_ready_replicas_slots():
-    assert router().capacity("m") == 8 + DEFAULT_SLOTS
-    assert router().capacity("other") == 0
+def test_routes_are_the_ready_replicas_with_their_slots_and_loads():
+    loads = {"r1": EngineLoad(running=3, waiting=2, saturation=0.5)}
+    routes = router(load=loads.get).routes("m")
+    assert routes.policy == "prefix"  # the default
+    assert [(r.replica, r.slots, r.load) for r in routes.replicas] == [
+        ("r1", 8, loads["r1"]),
+        ("r2", DEFAULT_SLOTS, None),
+    ]
+    assert router().routes("other") is None
 
 
-def test_an_engine_that_says_it_is_full_offers_no_more_than_it_runs():
-    loads = {
-        "r1": EngineLoad(running=3, waiting=2, saturation=0.5),  # requests queued inside it
-        "r2": EngineLoad(running=1, waiting=0, saturation=0.99),  # KV cache full
-    }
-    assert router(load=loads.get).capacity("m") == 3 + 1
-    idle = {"r1": EngineLoad(running=0, waiting=0, saturation=0.1)}
-    assert router(load=idle.get).capacity("m") == 8 + DEFAULT_SLOTS  # not full: its slots stand
+def test_routes_are_kept_until_refreshed():
+    loads: dict[str, EngineLoad] = {}
+    r = router(load=loads.get)
+    assert r.routes("m").replicas[0].load is None
+    loads["r1"] = EngineLoad(running=1, waiting=0, saturation=0.1)
+    assert r.routes("m").replicas[0].load is None  # as built
+    r.refresh()
+    assert r.routes("m").replicas[0].load == loads["r1"]
+
+
+def test_a_models_policy_is_its_first_profiles():
+    records = (replica("r1", "a-fast"), replica("r2", "b-slow"))
+    catalog = Catalog(
+        attrs.evolve(profile("a-fast", 2), routing="least-loaded"),
+        attrs.evolve(profile("b-slow", 2), routing="round-robin"),
+    )
+    routes = ReplicaRouter(catalog, Replicas(*records), Registry()).routes("m")
+    assert routes.policy == "least-loaded" and len(routes.replicas) == 2
 
 
 def test_ready_upstreams_carry_each_replicas_own_key_and_address():
     upstreams = router().ready_upstreams("m")
-    assert sorted((u.host, u.port, u.engine_key) for u in upstreams) == [
-        ("10.0.0.1", 20000, "key-of-r1"),
-        ("10.0.0.2", 20000, "key-of-r2"),
+    assert sorted((u.host, u.port, u.engine_key, u.replica) for u in upstreams) == [
+        ("10.0.0.1", 20000, "key-of-r1", "r1"),
+        ("10.0.0.2", 20000, "key-of-r2", "r2"),
     ]
     assert router().ready_upstreams("unknown") is None

@@ -144,9 +144,28 @@ def test_from_zero_queued_requests_start_a_replica_without_waiting_for_the_windo
     profile = attrs.evolve(PROFILE, min_replicas=0)
     decision = desired_replicas(profile, 0, signals(queue=1), ScaleState(), 5, POLICY)
     assert (decision.count, decision.reason) == (1, "up to 1: 1 requests queued and no replica is Ready")
-    # ... but the cooldown still holds, so that a count that just went down does not bounce.
-    cooling = desired_replicas(profile, 0, signals(queue=1), ScaleState(last_change=0), 5, POLICY)
-    assert cooling.count == 0
+    # ... nor for the cooldown: a client waits, and nothing else can serve it.
+    cold = desired_replicas(profile, 0, signals(queue=1), ScaleState(last_change=0), 5, POLICY)
+    assert cold.count == 1
+    idle = desired_replicas(profile, 0, signals(), ScaleState(), 5, POLICY)
+    assert (idle.count, idle.reason) == (0, "holding at 0: no request waits (min_replicas 0)")
+
+
+def test_the_last_replica_goes_only_after_scale_to_zero_after_without_a_request():
+    profile = attrs.evolve(PROFILE, min_replicas=0, scale_to_zero_after=900)
+    quiet = LoadSignals(replicas=(IDLE,), idle_for=899)
+    # Low load for long enough to step down, but the last replica stays: a start is slow.
+    held = desired_replicas(profile, 1, quiet, ScaleState(low_since=0), 1_000, POLICY)
+    assert held.count == 1 and "until 900 s without a request (idle 899 s)" in held.reason
+    gone = desired_replicas(profile, 1, attrs.evolve(quiet, idle_for=900), ScaleState(), 1_000, POLICY)
+    assert (gone.count, gone.reason) == (0, "down to 0: no request for 900 s (scale_to_zero_after 900 s)")
+    # Not while the count changed within the down cooldown, nor for a profile that keeps one.
+    recent = desired_replicas(
+        profile, 1, attrs.evolve(quiet, idle_for=900), ScaleState(last_change=500), 1_000, POLICY
+    )
+    assert recent.count == 1
+    kept = desired_replicas(PROFILE, 1, attrs.evolve(quiet, idle_for=10**6), ScaleState(), 1_000, POLICY)
+    assert kept.count == 1
 
 
 # --- properties ------------------------------------------------------------------------------------
@@ -158,7 +177,10 @@ engine_loads = st.builds(
     saturation=st.floats(0, 1),
 )
 load_signals = st.builds(
-    LoadSignals, queue_depth=st.integers(0, 40), replicas=st.lists(engine_loads, max_size=5).map(tuple)
+    LoadSignals,
+    queue_depth=st.integers(0, 40),
+    replicas=st.lists(engine_loads, max_size=5).map(tuple),
+    idle_for=st.floats(0, 2_000),
 )
 scale_policies = st.builds(
     ScalePolicy,
@@ -203,9 +225,11 @@ def test_opposite_changes_are_never_closer_than_the_cooldown(policy, steps):
         now += dt
         decision = desired_replicas(profile, current, load, state, now, policy)
         if decision.count != current:
-            changes.append((now, decision.count - current))
+            changes.append((now, decision.count - current, current))
         current, state = decision.count, decision.state
-    for (t1, d1), (t2, d2) in zip(changes, changes[1:], strict=False):
+    for (t1, d1, _), (t2, d2, before) in zip(changes, changes[1:], strict=False):
+        if before == 0:
+            continue  # from zero, a waiting request brings a replica up at once (tested above)
         cooldown = policy.down_cooldown if d2 < 0 else policy.up_cooldown
         assert t2 - t1 >= cooldown, (d1, d2)
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from llmgw.core.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES
 from llmgw.core.shard import ENGINES, LAUNCHERS, Adapter, ShardSpec
 from llmgw.core.training import ADAPTER_NAME, GGUF_FILE, PEFT_FILES, FileDigest
 
@@ -74,6 +75,14 @@ class Profile:
     # Placement's score: False packs replicas onto the fullest nodes that fit, keeping whole
     # nodes free for large profiles; True spreads them over the emptiest.
     spread: bool = False
+    # How the gateway picks among the replicas (llmgw.core.routing): prefix, least-loaded or
+    # round-robin; with prefix, how far a replica may go past the average load before a key
+    # spills over, and how many characters of the prompt make the key.
+    routing: str = DEFAULT_POLICY
+    routing_load_factor: float = DEFAULT_LOAD_FACTOR
+    routing_prefix_chars: int = DEFAULT_PREFIX_CHARS
+    # With min_replicas 0: seconds without a request before the last replica is stopped.
+    scale_to_zero_after: float = 900.0
 
 
 @frozen
@@ -249,6 +258,15 @@ def _bounds(profile: Profile) -> list[tuple[str, str]]:
         reasons.append(("startup_timeout", f"must be above 0 seconds, not {profile.startup_timeout}"))
     if profile.ttft_target is not None and not profile.ttft_target > 0:
         reasons.append(("ttft_target", f"must be above 0 seconds, not {profile.ttft_target}"))
+    if profile.routing not in POLICIES:
+        reasons.append(("routing", f"{profile.routing!r} is not one of {', '.join(POLICIES)}"))
+    if not profile.routing_load_factor >= 1:
+        # Below 1 the replicas together could not hold what is in flight: no replica would do.
+        reasons.append(("routing_load_factor", f"must be at least 1, not {profile.routing_load_factor}"))
+    if profile.routing_prefix_chars < 1:
+        reasons.append(("routing_prefix_chars", f"must be at least 1, not {profile.routing_prefix_chars}"))
+    if not profile.scale_to_zero_after > 0:
+        reasons.append(("scale_to_zero_after", f"must be above 0 seconds, not {profile.scale_to_zero_after}"))
     return reasons
 
 

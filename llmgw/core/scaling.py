@@ -12,6 +12,12 @@ before the next one: a longer one before scaling down, because a replica added a
 still loading weights and the load it will take is not visible yet. The count moves one replica
 at a time; each further step needs the load to have stayed high (low) again for the whole window.
 
+Zero is different. A profile with ``min_replicas: 0`` keeps its last replica until the gateway
+has seen no request of the model for ``scale_to_zero_after`` — not merely low load, since the
+next request would wait for a whole engine start — and the down cooldown has passed. From zero,
+a request waiting at the gateway brings a replica up at once: no window, no cooldown, because
+every moment of either is a client waiting with nothing to serve it.
+
 Pure: the shell keeps the :class:`ScaleState` and the count, and calls this on each tick.
 """
 
@@ -41,6 +47,8 @@ class EngineLoad:
 class LoadSignals:
     queue_depth: int = 0  # requests for the model waiting at the gateway for a replica
     replicas: tuple[EngineLoad, ...] = ()  # one per Ready replica
+    # Seconds the gateway has had no request of the model in flight or waiting.
+    idle_for: float = 0.0
 
 
 @frozen
@@ -83,6 +91,14 @@ def desired_replicas(
         return ScaleDecision(count=low, reason=f"up to the profile's min_replicas {low}", state=state)
     if current > high:
         return ScaleDecision(count=high, reason=f"down to the profile's max_replicas {high}", state=state)
+    cooled = state.last_change is None or now - state.last_change >= policy.down_cooldown
+    if low == 0 and current == 1 and signals.idle_for >= profile.scale_to_zero_after and cooled:
+        return ScaleDecision(
+            count=0,
+            reason=f"down to 0: no request for {signals.idle_for:.0f} s "
+            f"(scale_to_zero_after {profile.scale_to_zero_after:g} s)",
+            state=ScaleState(last_change=now),
+        )
     level, why = load_level(signals, policy)
     state = ScaleState(
         high_since=(state.high_since if state.high_since is not None else now) if level == HIGH else None,
@@ -93,12 +109,23 @@ def desired_replicas(
         if current >= high:
             return _hold(current, f"at max_replicas {high} though {why}", state)
         # With no replica at all the queued requests have nowhere to go: waiting for the load
-        # to be sustained would only keep them waiting.
+        # to be sustained, or for a cooldown, would only keep them waiting.
         sustain = 0.0 if current == 0 else policy.up_after
-        return _step(current, +1, why, state.high_since, sustain, policy.up_cooldown, state, now)
+        cooldown = 0.0 if current == 0 else policy.up_cooldown
+        return _step(current, +1, why, state.high_since, sustain, cooldown, state, now)
     if level == LOW:
         if current <= low:
+            if current == 0:
+                return _hold(0, "no request waits (min_replicas 0)", state)
             return _hold(current, f"at min_replicas {low}", state)
+        if current == 1:
+            # The last replica goes only by scale_to_zero_after (above), not for low load.
+            return _hold(
+                current,
+                f"{why}; the last replica stays until {profile.scale_to_zero_after:g} s without "
+                f"a request (idle {signals.idle_for:.0f} s)",
+                state,
+            )
         return _step(current, -1, why, state.low_since, policy.down_after, policy.down_cooldown, state, now)
     return _hold(current, why, state)
 

@@ -465,8 +465,23 @@ def _nodes(args: argparse.Namespace) -> int:
 
 
 def _replicas(args: argparse.Namespace) -> int:
-    empty = f"no replicas: the catalog's profiles want none ({NO_CATALOG_HINT})"
-    return _listing(args, "/admin/v1/replicas", "replicas", empty, render.replicas_table)
+    client = _client(args)
+    answer = client.get("/admin/v1/replicas")
+    if args.json:
+        render.print_json(answer)
+        return 0
+    console = render.make_console()
+    if answer["replicas"]:
+        console.print(render.replicas_table(answer["replicas"], time.time()))
+    # A profile with no replica has no row above: say why it has none, and who waits for one.
+    profiles = client.get("/admin/v1/profiles")["profiles"]
+    with_replicas = {replica["profile"] for replica in answer["replicas"]}
+    idle = [p for p in profiles if p["name"] not in with_replicas]
+    for line in render.profiles_without_replicas(idle):
+        console.print(line)
+    if not answer["replicas"] and not idle:
+        console.print(f"no replicas: the catalog's profiles want none ({NO_CATALOG_HINT})")
+    return 0
 
 
 def _replica_show(args: argparse.Namespace) -> int:

@@ -170,10 +170,30 @@ def models_table(models: list[dict]) -> Table:
 
 
 def profiles_table(profiles: list[dict]) -> Table:
+    """One row per profile; WANT and WAIT are the scaler's count and the requests queued at the
+    gateway for its model, SCALING the scaler's reason (why a profile is at zero, say)."""
+    columns = (
+        "NAME",
+        "MODEL",
+        "ENGINE",
+        "ON",
+        "TP×PP",
+        "REPLICAS",
+        "WANT",
+        "WAIT",
+        "ROUTING",
+        "BAND",
+        "SOURCE",
+    )
     table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "MODEL", "ENGINE", "ON", "TP×PP", "REPLICAS", "BAND", "SOURCE"):
-        table.add_column(column, no_wrap=True, justify="right" if column == "BAND" else "left")
+    for column in columns:
+        table.add_column(
+            column, no_wrap=True, justify="right" if column in ("BAND", "WANT", "WAIT") else "left"
+        )
+    table.add_column("SCALING", overflow="fold")
     for profile in profiles:
+        scale = profile.get("scale") or {}  # a server from before scaling was shown has none
+        wanted = scale.get("wanted")
         table.add_row(
             Text(profile["name"]),
             Text(profile["model"]),
@@ -181,10 +201,29 @@ def profiles_table(profiles: list[dict]) -> Table:
             Text(profile_on(profile)),
             Text(f"{profile['tensor_parallel']}×{profile['pipeline_parallel']}"),
             Text(f"{profile['min_replicas']}–{profile['max_replicas']}"),
+            Text("-" if wanted is None else str(wanted)),
+            Text(str(scale.get("waiting", 0))),
+            Text(profile.get("routing", "-")),
             Text(str(profile["band"])),
             Text(profile["source"]),
+            Text(scale.get("reason") or "-"),
         )
     return table
+
+
+def profiles_without_replicas(profiles: list[dict]) -> list[Text]:
+    """A line per profile that has no replica: the scaler's reason and the requests waiting."""
+    lines = []
+    for profile in profiles:
+        scale = profile.get("scale") or {}
+        waiting = scale.get("waiting", 0)
+        line = Text(f"{profile['name']}: no replica")
+        if scale.get("reason"):
+            line.append(f" — {scale['reason']}")
+        if waiting:
+            line.append(f"; {waiting} request{'s' if waiting != 1 else ''} waiting", style="yellow")
+        lines.append(line)
+    return lines
 
 
 def profile_on(profile: dict) -> str:

@@ -26,8 +26,10 @@ class Gate(Protocol):
 
     async def admit(self, caller: Any, model: str, payload: dict, body_size: int) -> Any:
         """A ticket to go ahead: model allowed (else 403), quota reserved (else 429), a place
-        through the admission queue (may wait; 429 when full). Cancellation leaves nothing held.
-        `payload` is the decoded body, `body_size` its length in bytes."""
+        through the admission queue (may wait; 429 when full), and a replica with room. The
+        ticket's ``upstreams`` are where to send the request, best first: the relay tries them
+        in that order. Cancellation leaves nothing held. `payload` is the decoded body,
+        `body_size` its length in bytes."""
         ...
 
     def finish(self, ticket: Any, record: RequestRecord) -> None:

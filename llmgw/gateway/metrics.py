@@ -34,6 +34,8 @@ DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 # The model label comes from the client's body. Past this many distinct values further ones are
 # counted as OTHER_MODEL, so that no client can grow the exposition without bound.
 MAX_MODEL_LABELS = 256
+# Waits in the admission queue: nothing for a free replica, up to a cold start of minutes.
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Requests with no model, or one the gateway does not serve (400 or 404 before any routing).
 NO_MODEL = "-"
 OTHER_MODEL = "other"
@@ -91,7 +93,23 @@ class GatewayMetrics:
             "llmgw_ttft_slo_violations", "Requests whose first token took longer than the target, by model",
             ["model"], registry=self.registry,
         )  # fmt: skip
+        self._replica_requests = Counter(
+            "llmgw_replica_requests", "Model requests sent to each replica, by model and replica",
+            ["model", "replica"], registry=self.registry,
+        )  # fmt: skip
+        self._routing = Counter(
+            "llmgw_routing_decisions",
+            "Replica choices, by model, policy and outcome (affinity: the prompt's own replica; "
+            "spilled: another, for load; no-key: nothing to key on)",
+            ["model", "policy", "outcome"], registry=self.registry,
+        )  # fmt: skip
+        self._queue_wait = Histogram(
+            "llmgw_queue_wait_seconds", "Time requests waited in the admission queue, by model",
+            ["model"], buckets=QUEUE_WAIT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_LiveGauges(gate, engines))
+        self._by_replica: dict[tuple[str, str], Any] = {}
+        self._by_route: dict[tuple[str, str, str], Any] = {}
         self._models: dict[str | None, str] = {None: NO_MODEL}
         self._by_status: dict[tuple[str, int, bool], Any] = {}
         self._by_model: dict[str, tuple[Any, Any, Any, Any]] = {}
@@ -118,6 +136,12 @@ class GatewayMetrics:
             )
         duration, prompt, completion, upstream_errors, ttft, violations = children
         duration.observe(max(0.0, record.finished - record.started))
+        if record.upstream is not None and record.upstream.replica:
+            replica_key = (model, record.upstream.replica)
+            sent = self._by_replica.get(replica_key)
+            if sent is None:
+                sent = self._by_replica[replica_key] = self._replica_requests.labels(*replica_key)
+            sent.inc()
         if record.usage is not None:
             prompt.inc(record.usage.prompt_tokens)
             completion.inc(record.usage.completion_tokens)
@@ -129,6 +153,18 @@ class GatewayMetrics:
             own = self._ttft_targets(model) if self._ttft_targets is not None else None
             if waited > (own or self._ttft_target):
                 violations.inc()
+
+    def on_route(self, model: str, policy: str, outcome: str) -> None:
+        """The gate chose a replica for a request (model is a served one: bounded)."""
+        key = (model, policy, outcome)
+        counter = self._by_route.get(key)
+        if counter is None:
+            counter = self._by_route[key] = self._routing.labels(*key)
+        counter.inc()
+
+    def on_queue_wait(self, model: str, seconds: float) -> None:
+        """A request left the admission queue: let through, timed out, or its client gone."""
+        self._queue_wait.labels(model).observe(max(0.0, seconds))
 
     def _model_label(self, record: RequestRecord) -> str:
         # A 404 with a model means the model is not served: its name is the client's invention.

@@ -5,8 +5,12 @@ not decoded: non-streaming bodies are passed on as they arrive and searched for 
 end; streams are passed on event by event (see :mod:`llmgw.gateway.usage`), by the stream pump
 (:mod:`llmgw.gateway.pump`) where there is one.
 
-Retries: only a failed connect is retried, once, on the next upstream. Once a request was written
-to a socket the engine may have started on it, and running it twice would bill the tokens twice.
+Where to: the gate's ticket carries the upstreams in the order chosen for the request (see
+:mod:`llmgw.core.routing`); without a gate, the router's order. The relay never reorders them.
+
+Retries: only a failed connect is retried, on the next upstream in that order. Once a request was
+written to a socket the engine may have started on it, and running it twice would bill the tokens
+twice.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -87,7 +91,6 @@ class Relay:
         self.max_idle = max_idle
         self.pools: dict[tuple[str, int], UpstreamPool] = {}
         self._heads: dict[tuple[Upstream, str], bytes] = {}
-        self._turn = 0
 
     def models(self, authorization: str | None) -> Sequence[str]:
         """GET /v1/models: the served models this caller may use."""
@@ -112,7 +115,7 @@ class Relay:
                 if model not in self.router.models():
                     raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
                 ticket = await self.gate.admit(caller, model, payload, len(body))
-            await self._forward(client, path, payload, body, record)
+            await self._forward(client, path, payload, body, record, ticket)
         except GatewayError as error:
             record.status = error.status
             await client.error(error)
@@ -125,7 +128,13 @@ class Relay:
                 self.on_done(record)
 
     async def _forward(
-        self, client: Responder, path: str, payload: dict, body: bytes, record: RequestRecord
+        self,
+        client: Responder,
+        path: str,
+        payload: dict,
+        body: bytes,
+        record: RequestRecord,
+        ticket: Any = None,
     ) -> None:
         model = record.model
         record.stream = payload.get("stream") is True
@@ -141,7 +150,7 @@ class Relay:
                     payload["stream_options"] = {**(options or {}), "include_usage": True}
                     body = json.dumps(payload, separators=(",", ":")).encode()
 
-        upstreams = self.router.ready_upstreams(model)
+        upstreams = ticket.upstreams if ticket is not None else self.router.ready_upstreams(model)
         if upstreams is None:
             raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
         if not upstreams:
@@ -151,7 +160,7 @@ class Relay:
         # costs about as much as a read, so a request gets one, not one per step.
         scope = trio.CancelScope(deadline=trio.current_time() + self.upstream_timeout)
         with scope:
-            pool, upstream, connection = await self._connect(self._in_turn(upstreams))
+            pool, upstream, connection = await self._connect(upstreams)
             record.upstream = upstream
             request = request_bytes(self._head(upstream, path), body)
             try:
@@ -177,13 +186,9 @@ class Relay:
             head = self._heads[key] = request_head(upstream.host, upstream.port, path, upstream.engine_key)
         return head
 
-    def _in_turn(self, upstreams: Sequence[Upstream]) -> list[Upstream]:
-        """At most two upstreams to try, taking turns at which one comes first."""
-        first = self._turn % len(upstreams)
-        self._turn += 1
-        return [upstreams[first], upstreams[(first + 1) % len(upstreams)]][: len(upstreams)]
-
-    async def _connect(self, upstreams: list[Upstream]) -> tuple[UpstreamPool, Upstream, EngineConnection]:
+    async def _connect(
+        self, upstreams: Sequence[Upstream]
+    ) -> tuple[UpstreamPool, Upstream, EngineConnection]:
         failure: OSError | None = None
         for upstream in upstreams:
             key = (upstream.host, upstream.port)

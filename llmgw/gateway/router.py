@@ -15,6 +15,7 @@ class Upstream:
     host: str
     port: int
     engine_key: str = attrs.field(repr=False)  # a secret: kept out of logs
+    replica: str = ""  # the replica's id, for metrics; empty where upstreams are not replicas
 
 
 class Router(Protocol):
@@ -25,7 +26,8 @@ class Router(Protocol):
         ...
 
     def ready_upstreams(self, model: str) -> Sequence[Upstream] | None:
-        """The ready upstreams for `model`, best first; None when no such model is served.
+        """The ready upstreams for `model`, in the order to try them; None when no such model
+        is served. A relay with a gate takes the order the gate chose for the request instead.
 
         Empty (not None) when the model exists but no replica is ready, which is a 503, not a 404.
         """

@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 import attrs
@@ -91,6 +91,7 @@ async def serve_admin(
     tenants: Tenants | None = None,
     usage: UsageRecorder | None = None,
     jobs: JobManager | None = None,
+    queued: Callable[[str], int] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -113,6 +114,7 @@ async def serve_admin(
             tenants=tenants,
             usage=usage,
             jobs=jobs,
+            queued=queued,
         )
         binds = await nursery.start(serve, app, config)
         task_status.started(urlsplit(binds[0]).port)
@@ -128,6 +130,7 @@ def make_app(
     tenants: Tenants | None = None,
     usage: UsageRecorder | None = None,
     jobs: JobManager | None = None,
+    queued: Callable[[str], int] | None = None,  # requests waiting at the gateway, per model
 ) -> QuartTrio:
     app = QuartTrio(__name__)
     if tenants is not None:
@@ -212,7 +215,18 @@ def make_app(
 
     @app.get("/admin/v1/profiles")
     async def list_profiles() -> Response:
-        return jsonify(profiles=[entry_json(entry) for entry in catalog.entries("profile")])
+        return jsonify(profiles=[profile_json(entry) for entry in catalog.entries("profile")])
+
+    def profile_json(entry: Entry) -> dict:
+        # What the scaler wants of it and why, and the gateway's waiters for its model: why a
+        # profile is at zero (or anywhere else) and who is waiting for it to come up.
+        wanted = replicas.wanted(entry.name) if replicas is not None else None
+        scale = {
+            "wanted": wanted[0] if wanted else None,
+            "reason": wanted[1] if wanted else "",
+            "waiting": queued(entry.spec.model) if queued is not None else 0,
+        }
+        return {**entry_json(entry), "scale": scale}
 
     @app.post("/admin/v1/catalog")
     async def apply_catalog() -> Response:

@@ -4,18 +4,23 @@ For each request: the key is looked up in memory (no store read on the hot path)
 be one the key may use; the tenant's and the key's quotas are *reserved* for the request's
 estimate before anything else (so concurrent requests cannot overshoot — see core.quota); then the
 request waits its turn in its model's admission queue (priority band, then round-robin between
-tenants — see core.admission) until a replica has room. When the answer is out, the reservation
-is settled with the real usage and a usage record is written.
+tenants — see core.admission) until a replica it may go to has room, and is sent to that
+replica (core.routing orders them, by the model's policy). When the answer is out, the
+reservation is settled with the real usage and a usage record is written.
 
-Room: ``capacity(model)``, the requests the model's Ready replicas serve at once (see
-server.routing); the engines' own metrics refine this in a later step.
+Room is per replica: each takes its slots at once (fewer when its engine says it is full), and
+the gate counts its own requests in flight on each. A model that has a profile but no Ready
+replica — being started, re-adopted after a server restart, or scaled to zero — is no reason to
+refuse: its requests wait in the queue like any other, up to the queue timeout.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -23,7 +28,9 @@ import trio
 
 from llmgw.core.admission import Accepted, AdmissionQueue, Waiter
 from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation
-from llmgw.gateway import GatewayError, RequestRecord, Router
+from llmgw.core.routing import PREFIX, Candidate, has_room, order, prefix_key
+from llmgw.gateway import GatewayError, RequestRecord, Upstream
+from llmgw.server.routing import Routes
 from llmgw.server.store import UsageRecord
 
 # Waiters per model before new requests are refused with 429.
@@ -58,41 +65,74 @@ class UsageSink(Protocol):
     def record(self, record: UsageRecord) -> None: ...
 
 
+class RouteSource(Protocol):
+    """server.routing.ReplicaRouter, as the gate uses it."""
+
+    def routes(self, model: str) -> Routes | None: ...
+
+
+class GateObserver(Protocol):
+    """gateway.metrics.GatewayMetrics, as the gate tells it of its choices."""
+
+    def on_route(self, model: str, policy: str, outcome: str) -> None: ...
+
+    def on_queue_wait(self, model: str, seconds: float) -> None: ...
+
+
 @attrs.define(eq=False)
 class Ticket:
     key: CallerKey
     model: str
     reservation: Reservation
     wall_started: float
+    replica: str = ""  # the replica charged with the request's slot
+    upstreams: tuple[Upstream, ...] = ()  # where to send it, best first
+
+
+@attrs.define(eq=False)
+class _Waiting:
+    """A queued request, as the shell keeps it: what its choice needs, and how to wake it."""
+
+    prefix: bytes | None
+    woken: trio.Event = attrs.field(factory=trio.Event)
+    choice: tuple[str, tuple[Upstream, ...]] | None = None  # (replica charged, upstreams)
 
 
 @attrs.define(eq=False)
 class _Lane:
-    """One model's queue and what it has in flight."""
+    """One model's queue and what it has in flight on each replica."""
 
     queue: AdmissionQueue
-    in_flight: int = 0
-    wakeups: dict[int, trio.Event] = attrs.field(factory=dict)
+    in_flight: dict[str, int] = attrs.field(factory=dict)  # per replica id, only those above 0
+    waiting: dict[int, _Waiting] = attrs.field(factory=dict)
+    turn: int = 0  # the round-robin policy's counter
+    last_busy: float = -math.inf  # when it last had a request in flight or waiting (trio time)
 
 
 class ControlPlaneGate:
     def __init__(
         self,
         keys: KeyDirectory,
-        router: Router,
-        capacity,  # Callable[[str], int]: requests the model's Ready replicas serve at once
+        router: RouteSource,
         usage: UsageSink | None = None,
         *,
         queue_timeout: float = QUEUE_TIMEOUT,
+        on_waiting: Callable[[str], None] | None = None,
+        observer: GateObserver | None = None,
+        salt: Callable[[], int] | None = None,
     ) -> None:
         self._keys = keys
         self._router = router
-        self._capacity = capacity
         self._usage = usage
         self._queue_timeout = queue_timeout
+        # Told when a request of a model with no Ready replica starts to wait: the scaler's cue.
+        self._on_waiting = on_waiting
+        self.observer = observer
+        self._salt = salt or _random_salt  # the least-loaded policy's tie-break
         self._quotas = QuotaBook()
         self._lanes: dict[str, _Lane] = {}
         self._ids = itertools.count()
+        self._started: float | None = None  # when the scaler first asked (idle since then at most)
 
     # --- the Gate protocol ---------------------------------------------------------------------
 
@@ -127,7 +167,7 @@ class ControlPlaneGate:
             )
         ticket = Ticket(key=caller, model=model, reservation=reserved, wall_started=time.time())
         try:
-            await self._wait_for_room(caller, model, now)
+            ticket.replica, ticket.upstreams = await self._wait_for_room(caller, model, payload, now)
         except BaseException:
             self._quotas.release(reserved)
             raise
@@ -135,7 +175,8 @@ class ControlPlaneGate:
 
     def finish(self, ticket: Ticket, record: RequestRecord) -> None:
         lane = self._lanes[ticket.model]
-        lane.in_flight -= 1
+        self._release_slot(lane, ticket.replica)
+        lane.last_busy = trio.current_time()
         if record.usage is not None:
             self._quotas.settle(ticket.reservation, record.usage.total_tokens)
         elif record.upstream is None:
@@ -163,27 +204,45 @@ class ControlPlaneGate:
     # --- admission -----------------------------------------------------------------------------
 
     def queue_depths(self) -> dict[str, dict[int, int]]:
-        """Waiting requests per model and band, for the gateway's metrics."""
+        """Waiting requests per model and band, for the gateway's metrics and the scaler."""
         return {model: lane.queue.depth_by_band() for model, lane in self._lanes.items()}
 
+    def in_flight(self, model: str) -> dict[str, int]:
+        """The model's requests in flight, per replica id (those with any)."""
+        lane = self._lanes.get(model)
+        return dict(lane.in_flight) if lane is not None else {}
+
+    def idle_for(self, model: str) -> float:
+        """Seconds the model has had nothing in flight and nothing waiting (0 while it has)."""
+        lane = self._lanes.get(model)
+        now = trio.current_time()
+        if self._started is None:
+            self._started = now
+        if lane is not None and (lane.in_flight or lane.queue):
+            return 0.0
+        return now - max(lane.last_busy if lane is not None else -math.inf, self._started)
+
     def redispatch(self) -> None:
-        """Capacity may have changed (a replica became Ready, or went): let waiters through."""
+        """Room may have changed (a replica became Ready, or went): let waiters through."""
         now = trio.current_time()
         for model in self._lanes:
             self._dispatch(model, now)
 
-    async def _wait_for_room(self, caller: CallerKey, model: str, now: float) -> None:
-        capacity = self._capacity(model)
-        if capacity == 0:
-            raise GatewayError(503, f"No replica of '{model}' is ready", code="no_ready_replica")
+    async def _wait_for_room(
+        self, caller: CallerKey, model: str, payload: dict, now: float
+    ) -> tuple[str, tuple[Upstream, ...]]:
         lane = self._lanes.get(model)
         if lane is None:
             lane = self._lanes[model] = _Lane(queue=AdmissionQueue(MAX_WAITING))
-        if not lane.queue and lane.in_flight < capacity:
-            # Nobody waits and there is room: the queue would hand this very request the slot.
-            # Taking it directly spares an event, a cancel scope and a queue round trip.
-            lane.in_flight += 1
-            return
+        lane.last_busy = now
+        routes = self._router.routes(model)
+        prefix = _prefix(routes, payload)
+        if not lane.queue and routes is not None:
+            # Nobody waits: if a replica has room, the queue would hand this very request the
+            # slot. Taking it directly spares an event, a cancel scope and a queue round trip.
+            chosen = self._choose(model, lane, routes, prefix)
+            if chosen is not None:
+                return chosen
         waiter = Waiter(
             id=next(self._ids),
             tenant=caller.tenant,
@@ -199,37 +258,107 @@ class ControlPlaneGate:
                 code="queue_full",
                 retry_after=pushed.retry_after,
             )
-        woken = lane.wakeups[waiter.id] = trio.Event()
+        waiting = lane.waiting[waiter.id] = _Waiting(prefix=prefix)
+        ready = routes is not None and bool(routes.replicas)
+        if not ready and self._on_waiting is not None:
+            self._on_waiting(model)
         self._dispatch(model, now)
         try:
             with trio.move_on_at(waiter.deadline):
-                await woken.wait()
+                await waiting.woken.wait()
         except BaseException:
-            if woken.is_set():  # let through, then cancelled before it could use its slot
-                lane.in_flight -= 1
+            if waiting.choice is not None:  # let through, then cancelled before it could go
+                self._release_slot(lane, waiting.choice[0])
                 self._dispatch(model, trio.current_time())
             raise
         finally:
-            del lane.wakeups[waiter.id]
-            if not woken.is_set():
+            del lane.waiting[waiter.id]
+            if waiting.choice is None:
                 lane.queue.cancel(waiter.id)  # the client left, or the deadline passed
-        if not woken.is_set():
-            raise GatewayError(
-                503,
-                f"No replica of '{model}' had room within {self._queue_timeout:g} s",
-                code="queue_timeout",
-            )
+            if self.observer is not None:
+                self.observer.on_queue_wait(model, trio.current_time() - now)
+        if waiting.choice is None:
+            if ready:
+                message = f"No replica of '{model}' had room within {self._queue_timeout:g} s"
+            else:
+                message = f"No replica of '{model}' became ready within {self._queue_timeout:g} s"
+            raise GatewayError(503, message, code="queue_timeout")
+        return waiting.choice
 
     def _dispatch(self, model: str, now: float) -> None:
-        """Lets waiters through while the model's replicas have room."""
+        """Lets waiters through while a replica they may go to has room."""
         lane = self._lanes[model]
-        capacity = self._capacity(model)
-        while lane.in_flight < capacity:
+        if not lane.queue:
+            return
+        routes = self._router.routes(model)
+        if routes is None:
+            return  # no profile serves it any more: the waiters' deadlines answer them
+        while lane.queue:
+            if not has_room(_candidates(routes, lane)):
+                return
             popped = lane.queue.pop(now)
             if popped.waiter is None:
                 return
-            lane.in_flight += 1
-            lane.wakeups[popped.waiter.id].set()
+            waiting = lane.waiting[popped.waiter.id]
+            waiting.choice = self._choose(model, lane, routes, waiting.prefix)
+            waiting.woken.set()
+
+    def _choose(
+        self, model: str, lane: _Lane, routes: Routes, prefix: bytes | None
+    ) -> tuple[str, tuple[Upstream, ...]] | None:
+        """The replica for one request, charged with its slot, and the upstreams in order; None
+        when no replica has room."""
+        candidates = _candidates(routes, lane)
+        if not has_room(candidates):
+            return None
+        choice = order(
+            routes.policy,
+            candidates,
+            key=prefix,
+            salt=self._salt(),
+            turn=lane.turn,
+            load_factor=routes.load_factor,
+        )
+        lane.turn += 1
+        first = choice.order[0]
+        lane.in_flight[first] = lane.in_flight.get(first, 0) + 1
+        if self.observer is not None:
+            self.observer.on_route(model, routes.policy, choice.outcome)
+        by_id = {route.replica: route.upstream for route in routes.replicas}
+        return first, tuple(by_id[rid] for rid in choice.order)
+
+    def _release_slot(self, lane: _Lane, replica: str) -> None:
+        # Only busy replicas are kept: replicas come and go over the process's life.
+        left = lane.in_flight[replica] - 1
+        if left:
+            lane.in_flight[replica] = left
+        else:
+            del lane.in_flight[replica]
+
+
+def _random_salt() -> int:
+    return random.getrandbits(32)
+
+
+def _candidates(routes: Routes, lane: _Lane) -> list[Candidate]:
+    in_flight = lane.in_flight
+    return [
+        Candidate(
+            id=route.replica,
+            slots=route.slots,
+            in_flight=in_flight.get(route.replica, 0),
+            running=route.load.running if route.load is not None else None,
+            waiting=route.load.waiting if route.load is not None else 0,
+            saturation=route.load.saturation if route.load is not None else 0.0,
+        )
+        for route in routes.replicas
+    ]
+
+
+def _prefix(routes: Routes | None, payload: dict) -> bytes | None:
+    if routes is None or routes.policy != PREFIX:
+        return None
+    return prefix_key(payload, routes.prefix_chars)
 
 
 _LIMIT_NAMES = {"rpm": "requests-per-minute", "tpm": "tokens-per-minute", "tpd": "tokens-per-day"}

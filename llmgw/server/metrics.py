@@ -124,12 +124,14 @@ class EngineScraper:
         *,
         slots: Callable[[Replica], int | None] | None = None,
         timeout: float = SCRAPE_TIMEOUT,
+        on_round: Callable[[], None] | None = None,
     ) -> None:
         self._replicas = replicas
         self._registry = registry
         self._interval = interval
         self._slots = slots  # requests a replica serves at once, when its profile says
         self._timeout = min(timeout, interval)
+        self._on_round = on_round  # told after each round: the loads the router reads changed
         self._samples: dict[str, EngineSample] = {}
         # Per replica: whether its last scrape succeeded; absent until its first scrape.
         self._reachable: dict[str, bool] = {}
@@ -173,6 +175,8 @@ class EngineScraper:
             for target in targets:
                 nursery.start_soon(self._scrape, target)
         self.rounds += 1
+        if self._on_round is not None:
+            self._on_round()
 
     def _targets(self) -> Iterable[_Target]:
         for record in self._replicas.list():

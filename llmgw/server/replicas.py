@@ -42,7 +42,7 @@ from llmgw.core.reconcile import (
     StopOrphan,
     reconcile,
 )
-from llmgw.core.replica import Replica, ReplicaShard, ReplicaState, state_of_shards
+from llmgw.core.replica import COUNTED, Replica, ReplicaShard, ReplicaState, state_of_shards
 from llmgw.core.scaling import LoadSignals, ScaleState, desired_replicas
 from llmgw.core.shard import Fabric, ShardSpec
 from llmgw.server.adapters import AdapterDelivery, DeliveryFailed, delivery_timeout
@@ -85,6 +85,7 @@ class ReplicaManager:
         self._stored_adapters = stored_adapters
         self._delivery = delivery
         self._wanted: dict[str, tuple[int, ScaleState]] = {}  # per profile: count and its history
+        self._scale_reasons: dict[str, str] = {}  # per profile: the scaler's last word
         self._records: dict[str, Replica] = {}
         # Per shard: the node's registration count when its start was answered. A shard missing
         # from a later registration's list is gone (the agent restarted without it).
@@ -111,6 +112,17 @@ class ReplicaManager:
         if record is None or record.state != ReplicaState.PENDING:
             return ()
         return self._candidates.get(replica_id, ())
+
+    def wanted(self, profile: str) -> tuple[int, str] | None:
+        """The replicas the scaler wants of a profile and why, as of the last pass; None before
+        its first decision."""
+        if profile not in self._wanted or profile not in self._scale_reasons:
+            return None
+        return self._wanted[profile][0], self._scale_reasons[profile]
+
+    def kick(self) -> None:
+        """Run a pass now (a request waits for a model with no Ready replica, say)."""
+        self._kick.set()
 
     def key_of(self, replica_id: str) -> str | None:
         return None if self._engine_secret is None else engine_key(self._engine_secret, replica_id)
@@ -178,6 +190,7 @@ class ReplicaManager:
             if decision.count != current:
                 log.info("scale %s from %d to %d: %s", name, current, decision.count, decision.reason)
             self._wanted[name] = (decision.count, decision.state)
+            self._scale_reasons[name] = decision.reason
             wanted[name] = decision.count
         return wanted
 
@@ -203,6 +216,7 @@ class ReplicaManager:
         again (a server restart): the engines keep serving, nothing is restarted."""
         profiles = self._catalog.profiles()
         known = {shard.shard_id for record in self._records.values() for shard in record.shards}
+        adopted: set[str] = set()  # profiles that got a replica back
         for node in self._registry.list():
             if not node.connected:
                 continue
@@ -228,6 +242,8 @@ class ReplicaManager:
                     compute=shard.compute,
                 )
                 record = self._records.get(spec.replica_id)
+                if record is None:
+                    adopted.add(spec.profile)
                 shards = tuple(sorted((*(record.shards if record else ()), piece), key=lambda s: s.rank))
                 state = state_of_shards(s.state for s in shards)
                 self._records[spec.replica_id] = Replica(
@@ -250,6 +266,16 @@ class ReplicaManager:
                     node.name,
                     shard.state,
                 )
+        for name in adopted:
+            self._want_at_least_what_runs(profiles[name])
+
+    def _want_at_least_what_runs(self, profile: Profile) -> None:
+        """An adopted replica is wanted: after a restart the scaler starts from what runs, not
+        from min_replicas, or it would stop a replica (of a min_replicas 0 profile, say) that
+        serves while its clients wait for the server to come back."""
+        running = sum(1 for r in self._records.values() if r.profile == profile.name and r.state in COUNTED)
+        current, state = self._wanted.get(profile.name, (profile.min_replicas, ScaleState()))
+        self._wanted[profile.name] = (max(current, min(running, profile.max_replicas)), state)
 
     def _follow_reports(self) -> None:
         """Each record's shards take the state their agents report."""

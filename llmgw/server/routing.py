@@ -1,27 +1,56 @@
-"""The gateway's router over the control plane: a model's Ready replicas, with their engine keys.
+"""The gateway's router over the control plane: a model's Ready replicas, as routing candidates.
 
-A model is served when some catalog profile serves it; its upstreams are its replicas that are
-Ready, at rank 0's node address and port. The list is rotated on every call, so that requests
-spread over replicas (the relay tries the first, and the second only if the first refuses the
-connection). Saturation-aware choice comes with the engines' metrics.
+A model is served when some catalog profile serves it; its replicas that are Ready, at rank 0's
+node address and port, are where its requests may go. This module only gathers them — each
+with its engine key, its slots and its engine's last scraped load — into a :class:`Routes`; the
+order a request tries them in is the gate's to ask of :func:`llmgw.core.routing.order`, since
+the gate holds the in-flight count per replica that the choice depends on.
+
+A model's routes are built once and kept until :meth:`ReplicaRouter.refresh` (after each
+reconcile pass and each scrape round): a request reads them, it does not rebuild them (the
+engine key alone is an HMAC).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 
+import attrs
+
+from llmgw.core.catalog import Profile
 from llmgw.core.replica import ReplicaState
+from llmgw.core.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway.router import Upstream
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
 
+log = logging.getLogger(__name__)
+
 # Requests one replica serves at once when its profile sets no `parallel`.
 DEFAULT_SLOTS = 4
-# An engine whose KV cache is this full takes no more than it already holds, whatever its slots.
-SATURATED = 0.95
+
+
+@attrs.frozen
+class Route:
+    """One Ready replica of a model: where it is, and what the choice needs to know of it."""
+
+    replica: str
+    upstream: Upstream
+    slots: int
+    load: EngineLoad | None  # as last scraped; None when unknown
+
+
+@attrs.frozen
+class Routes:
+    """A served model's Ready replicas, and how its profile wants them chosen."""
+
+    policy: str = DEFAULT_POLICY
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    replicas: tuple[Route, ...] = ()
 
 
 class ReplicaRouter:
@@ -36,32 +65,39 @@ class ReplicaRouter:
         self._replicas = replicas
         self._registry = registry
         self._load = load  # a replica's engine load as last scraped, None when unknown
-        self._turn = itertools.count()
+        self._routes: dict[str, Routes | None] = {}
+        self._models: list[str] | None = None
+        self._mixed: set[str] = set()  # models whose profiles disagree on routing (warned once)
+
+    def refresh(self) -> None:
+        """The replicas, the catalog or the engines' loads changed: build routes anew."""
+        self._routes.clear()
+        self._models = None
 
     def models(self) -> Sequence[str]:
-        return sorted({profile.model for profile in self._catalog.profiles().values()})
+        if self._models is None:
+            self._models = sorted({profile.model for profile in self._catalog.profiles().values()})
+        return self._models
 
-    def capacity(self, model: str) -> int:
-        """Requests the model's Ready replicas serve at once (the admission queue's room): each
-        its profile's `parallel`, unless its engine says it is full — requests waiting inside it,
-        or its KV cache nearly full — and then no more than it is running."""
-        profiles = self._catalog.profiles()
-        total = 0
-        for record in self._replicas.list():
-            if record.model != model or record.state != ReplicaState.READY:
-                continue
-            profile = profiles.get(record.profile)
-            slots = (profile.parallel if profile is not None else None) or DEFAULT_SLOTS
-            load = self._load(record.id) if self._load is not None else None
-            if load is not None and (load.waiting > 0 or load.saturation >= SATURATED):
-                slots = min(slots, load.running)
-            total += slots
-        return total
+    def routes(self, model: str) -> Routes | None:
+        """The model's Ready replicas; None when no profile serves it (a 404, not a wait)."""
+        try:
+            return self._routes[model]
+        except KeyError:
+            routes = self._routes[model] = self._build(model)
+            return routes
 
     def ready_upstreams(self, model: str) -> Sequence[Upstream] | None:
-        if model not in self.models():
+        """The Router protocol, for a relay without a gate: the Ready replicas as listed."""
+        routes = self.routes(model)
+        return None if routes is None else [route.upstream for route in routes.replicas]
+
+    def _build(self, model: str) -> Routes | None:
+        profiles = self._catalog.profiles()
+        serving = sorted((p for p in profiles.values() if p.model == model), key=lambda p: p.name)
+        if not serving:
             return None
-        upstreams = []
+        routes = []
         for record in self._replicas.list():
             if record.model != model or record.state != ReplicaState.READY or not record.shards:
                 continue
@@ -72,8 +108,52 @@ class ReplicaRouter:
             # A node whose agent is reconnecting still serves: its engines never stopped.
             host = node.inventory.mgmt_address or "127.0.0.1"
             key = self._replicas.key_of(record.id) or ""
-            upstreams.append(Upstream(host=host, port=leader.port, engine_key=key))
-        if len(upstreams) > 1:
-            turn = next(self._turn) % len(upstreams)
-            upstreams = upstreams[turn:] + upstreams[:turn]
-        return upstreams
+            profile = profiles.get(record.profile)
+            slots = (profile.parallel if profile is not None else None) or DEFAULT_SLOTS
+            load = self._load(record.id) if self._load is not None else None
+            upstream = Upstream(host=host, port=leader.port, engine_key=key, replica=record.id)
+            routes.append(Route(replica=record.id, upstream=upstream, slots=slots, load=load))
+        first = serving[0]
+        self._warn_if_mixed(model, serving)
+        return Routes(
+            policy=first.routing,
+            load_factor=first.routing_load_factor,
+            prefix_chars=first.routing_prefix_chars,
+            replicas=tuple(routes),
+        )
+
+    def _warn_if_mixed(self, model: str, serving: list[Profile]) -> None:
+        # One model, one policy: its requests share one queue and one set of replicas.
+        settings = {(p.routing, p.routing_load_factor, p.routing_prefix_chars) for p in serving}
+        if len(settings) > 1 and model not in self._mixed:
+            self._mixed.add(model)
+            log.warning(
+                "profiles of model %s disagree on routing; %s's (%s) applies to all of them",
+                model,
+                serving[0].name,
+                serving[0].routing,
+            )
+        elif len(settings) == 1:
+            self._mixed.discard(model)
+
+
+@attrs.frozen
+class FixedRoutes:
+    """A fixed table of models to upstreams, each a replica with ``slots``: the gate's routes for
+    tests and benchmarks that have engines but no replica records."""
+
+    table: Mapping[str, Sequence[Upstream]]
+    slots: int = DEFAULT_SLOTS
+    policy: str = DEFAULT_POLICY
+
+    def routes(self, model: str) -> Routes | None:
+        upstreams = self.table.get(model)
+        if upstreams is None:
+            return None
+        return Routes(
+            policy=self.policy,
+            replicas=tuple(
+                Route(replica=u.replica or f"{u.host}:{u.port}", upstream=u, slots=self.slots, load=None)
+                for u in upstreams
+            ),
+        )

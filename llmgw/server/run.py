@@ -97,23 +97,35 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         )
         tenants = await Tenants.load(store)
         usage = UsageRecorder(store)
-        # The gateway's router and gate read the replicas; the replicas tell the gate after each
-        # pass, since a replica that became Ready (or went) changes how much may be admitted.
-        # The replicas scale on the load the gate and the scraper see (made just below).
+        # The gateway's router and gate read the replicas; after each reconcile pass (a replica
+        # became Ready, or went) and each scrape round (the engines' loads) the router builds
+        # its routes anew and the gate lets through the waiters that now have room. The
+        # replicas scale on the load the gate and the scraper see (made just below).
         gate: ControlPlaneGate | None = None
         scraper: EngineScraper | None = None
+        router: ReplicaRouter | None = None
+
+        def routes_changed() -> None:
+            if router is not None:
+                router.refresh()
+            if gate is not None:
+                gate.redispatch()
 
         def load_of(profile: Profile, records: list[Replica]) -> LoadSignals:
             queued = sum((gate.queue_depths().get(profile.model) or {}).values()) if gate else 0
             loads = [scraper.load(r.id) for r in records if r.state == ReplicaState.READY] if scraper else []
-            return LoadSignals(queue_depth=queued, replicas=tuple(load for load in loads if load is not None))
+            return LoadSignals(
+                queue_depth=queued,
+                replicas=tuple(load for load in loads if load is not None),
+                idle_for=gate.idle_for(profile.model) if gate else 0.0,
+            )
 
         replicas = ReplicaManager(
             registry,
             catalog,
             engine_secret,
             reconcile_config(config),
-            on_pass=lambda: gate and gate.redispatch(),
+            on_pass=routes_changed,
             signals=load_of,
             stored_adapters=stored_adapters,
             delivery=delivery,
@@ -121,15 +133,27 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         router = ReplicaRouter(
             catalog, replicas, registry, load=lambda rid: scraper.load(rid) if scraper else None
         )
-        gate = ControlPlaneGate(tenants, router, router.capacity, usage)
+        gate = ControlPlaneGate(
+            tenants,
+            router,
+            usage,
+            queue_timeout=config.gateway.queue_timeout,
+            on_waiting=lambda _model: replicas.kick(),
+        )
         # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
-        scraper = EngineScraper(replicas, registry, slots=lambda record: _parallel(catalog, record.profile))
+        scraper = EngineScraper(
+            replicas,
+            registry,
+            slots=lambda record: _parallel(catalog, record.profile),
+            on_round=routes_changed,
+        )
         metrics = GatewayMetrics(
             gate=gate,
             engines=scraper,
             ttft_target=config.gateway.ttft_target,
             ttft_targets=lambda model: _ttft_target(catalog, model),
         )
+        gate.observer = metrics
         async with trio.open_nursery() as nursery:
             # Before the link listens: a registering agent's jobs are re-attached by it.
             await nursery.start(jobs.run)
@@ -137,7 +161,14 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 listener.serve, config.link.listen.host, config.link.listen.port
             )
             admin_port = await nursery.start(
-                functools.partial(serve_admin, replicas=replicas, tenants=tenants, usage=usage, jobs=jobs),
+                functools.partial(
+                    serve_admin,
+                    replicas=replicas,
+                    tenants=tenants,
+                    usage=usage,
+                    jobs=jobs,
+                    queued=lambda model: sum(gate.queue_depths().get(model, {}).values()),
+                ),
                 registry,
                 catalog,
                 admin_digest,
