@@ -417,7 +417,11 @@ class CatalogClient:
         pass
 
     def get(self, path: str):
-        return {"/admin/v1/models": {"models": MODELS}, "/admin/v1/profiles": {"profiles": PROFILES}}[path]
+        return {
+            "/admin/v1/models": {"models": MODELS},
+            "/admin/v1/profiles": {"profiles": PROFILES},
+            "/admin/v1/replicas": {"replicas": []},
+        }[path]
 
     def post(self, path: str, body=None):
         self.sent.append(("POST", path, body))
@@ -458,6 +462,14 @@ def test_models_and_profiles_tables_and_json(catalog_client, capsys):
     assert "2× h100-80g × 2 nodes" in capsys.readouterr().out
     assert run(["profiles", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"profiles": PROFILES}
+
+
+def test_replicas_say_why_a_profile_has_none_and_who_waits(catalog_client, capsys):
+    assert run(["replicas"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "qwen-h100: no replica — down to 0: no request for 900 s; 3 requests waiting",
+        "smollm2-cpu: no replica",
+    ]
 
 
 def test_empty_listings_say_how_to_fill_them(catalog_client, monkeypatch, capsys):
