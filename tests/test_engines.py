@@ -86,7 +86,10 @@ LLAMA = {"engine": "llamacpp", "model": "smollm2", "model_path": "/models/smollm
 ADAPTERS = (Adapter(name="support-bot", path="/adapters/support"), Adapter(name="sql", path="/adapters/sql"))
 
 CASES: dict[str, tuple[ShardSpec, str | None]] = {
-    "llamacpp-cpu": (spec(**LLAMA, gpus=(), ctx_size=4096, parallel=2, mgmt_interface=""), KEY),
+    "llamacpp-cpu": (
+        spec(**LLAMA, gpus=(), ctx_size=4096, parallel=2, cpu_threads=2, mgmt_interface=""),
+        KEY,
+    ),
     "llamacpp-gpu-adapters": (
         spec(
             **LLAMA,
@@ -335,6 +338,15 @@ def test_cpu_shard_hides_every_gpu() -> None:
     (engine,) = plan_of("llamacpp-cpu").commands
     assert engine.env["CUDA_VISIBLE_DEVICES"] == ""
     assert engine.argv[engine.argv.index("-ngl") + 1] == "0"
+
+
+def test_a_cpu_shard_runs_on_the_cores_placement_reserved() -> None:
+    """Two replicas on one node must not each take every core: --threads is the profile's
+    cpu_cores. A GPU shard keeps llama.cpp's default (its host threads only feed the GPU)."""
+    (engine,) = plan_of("llamacpp-cpu").commands
+    assert engine.argv[engine.argv.index("--threads") + 1] == "2"
+    (gpu,) = plan_of("llamacpp-gpu-adapters").commands
+    assert gpu.argv.count("--threads") == 1  # only the profile's own extra flag
 
 
 def test_spec_round_trips_through_cattrs_and_json() -> None:

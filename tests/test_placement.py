@@ -427,6 +427,8 @@ def test_single_node_and_cpu_specs_use_no_fabric_and_pass_launch_checks():
     assert single[0].fabric == Fabric() and validate(single[0]) == []
     cpu = to_shard_specs(placed(place(view, cpu_profile(), PORTS)), cpu_profile(), SMOL, "r2", view)
     assert cpu[0].gpus == () and validate(cpu[0]) == []
+    # The engine gets the cores placement counted for it; a GPU shard's threads are its own.
+    assert (cpu[0].cpu_threads, single[0].cpu_threads) == (cpu_profile().cpu_cores, None)
 
 
 # --- placement: properties ----------------------------------------------------------------------------

@@ -171,6 +171,7 @@ def widest_specs() -> dict[str, tuple[tuple[str, ShardSpec], ...]]:
                 "llama.cpp on GPUs",
                 _base("llamacpp", **llama, gpus=(_h100(0),), tensor_parallel=1, adapters=llama_adapters),
             ),
+            ("llama.cpp on the CPU", _base("llamacpp", **llama, gpus=(), tensor_parallel=1, cpu_threads=2)),
         ),
         "vllm": (
             ("vLLM mp 2 nodes, rank 0", _two_nodes("vllm", 0)),

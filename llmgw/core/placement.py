@@ -378,6 +378,7 @@ def to_shard_specs(
                 rendezvous_port=shard.rendezvous_port,
                 ctx_size=profile.ctx_size,
                 parallel=profile.parallel,
+                cpu_threads=profile.cpu_cores if profile.gpu_class is None else None,
                 dtype=profile.dtype,
                 quantization=profile.quantization,
                 extra_flags=profile.flags,

@@ -88,6 +88,9 @@ class ShardSpec:
     # Sequences served at once: llama.cpp's slots, vLLM's max-num-seqs, SGLang's max running
     # requests.
     parallel: int | None = None
+    # A CPU shard's cores, as placement reserved them: the engine's threads. None: the engine's
+    # own default (every core), for a GPU shard or a spec from before this field.
+    cpu_threads: int | None = None
     dtype: str | None = None
     quantization: str | None = None  # e.g. "fp8"
     extra_flags: tuple[str, ...] = ()  # the profile's flags, as argv tokens

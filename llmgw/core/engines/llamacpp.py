@@ -26,6 +26,10 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
         builtins += ["--ctx-size", str(spec.ctx_size)]
     if spec.parallel is not None:
         builtins += ["--parallel", str(spec.parallel)]
+    if spec.cpu_threads is not None and not spec.gpus:
+        # The cores placement reserved, and no more: by default llama.cpp takes every core, and
+        # two replicas on one node would each slow the other down.
+        builtins += ["--threads", str(spec.cpu_threads)]
     builtins.append("--metrics")  # the router's load signals come from /metrics
     for adapter in spec.adapters:
         # Each --lora adds to the list. llama.cpp also splits a value at commas, which is why
