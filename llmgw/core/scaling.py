@@ -14,9 +14,9 @@ at a time; each further step needs the load to have stayed high (low) again for 
 
 Zero is different. A profile with ``min_replicas: 0`` keeps its last replica until the gateway
 has seen no request of the model for ``scale_to_zero_after`` — not merely low load, since the
-next request would wait for a whole engine start — and the down cooldown has passed. From zero,
-a request waiting at the gateway brings a replica up at once: no window, no cooldown, because
-every moment of either is a client waiting with nothing to serve it.
+next request would wait for a whole engine start — and then stops it. From zero, a request
+waiting at the gateway brings a replica up at once: no window, no cooldown, because every moment
+of either is a client waiting with nothing to serve it.
 
 Pure: the shell keeps the :class:`ScaleState` and the count, and calls this on each tick.
 """
@@ -91,8 +91,9 @@ def desired_replicas(
         return ScaleDecision(count=low, reason=f"up to the profile's min_replicas {low}", state=state)
     if current > high:
         return ScaleDecision(count=high, reason=f"down to the profile's max_replicas {high}", state=state)
-    cooled = state.last_change is None or now - state.last_change >= policy.down_cooldown
-    if low == 0 and current == 1 and signals.idle_for >= profile.scale_to_zero_after and cooled:
+    # No cooldown here: the idle time counts from the last request, which came after any change,
+    # so a replica that a request brought up is not stopped before it has served it.
+    if low == 0 and current == 1 and signals.idle_for >= profile.scale_to_zero_after:
         return ScaleDecision(
             count=0,
             reason=f"down to 0: no request for {signals.idle_for:.0f} s "
