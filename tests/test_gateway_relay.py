@@ -14,7 +14,11 @@ import pytest
 import trio
 
 from llmgw.gateway import GatewayError, RequestRecord, StaticRouter, Upstream, Usage, serve_gateway
+from llmgw.gateway import pool as pool_module
+from llmgw.gateway.engine_http import EngineConnection
 from llmgw.gateway.h11_stream import H11Stream
+from llmgw.gateway.pool import UpstreamPool
+from llmgw.gateway.relay import Relay
 from llmgw.gateway.usage import StreamUsage
 
 ENGINE_KEY = "engine-secret"
@@ -474,3 +478,32 @@ async def test_a_kept_alive_connection_the_engine_closed_is_replaced_not_a_502(n
         assert await client.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
     assert connections == 3  # each later request went again on a fresh connection
     await client.http.aclose()
+
+
+async def test_a_kept_alive_connection_to_an_engine_that_died_moves_on_to_the_next_upstream(
+    nursery, monkeypatch
+):
+    """The engine died just after its idle connection was checked: the request finds the
+    connection closed, the fresh connect that would replace it is refused, and the request —
+    which reached no engine — goes to the next upstream instead of cutting the client off."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        doomed = Upstream("127.0.0.1", unused.getsockname()[1], "dead-key")  # nothing listens now
+    live_engine = FakeEngine()
+    live = await live_engine.start(nursery)
+    router = StaticRouter({"m": [doomed, live]})
+    relay = Relay(router)
+    # An idle connection the dead engine left behind, closed at its end, that still looks quiet
+    # (it was checked a moment before the engine died).
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    stale = EngineConnection(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+    stale.reused = True
+    pool = relay.pools[(doomed.host, doomed.port)] = UpstreamPool(doomed.host, doomed.port)
+    pool._idle.append(stale)
+    monkeypatch.setattr(pool_module, "_quiet", lambda connection: True)
+    record = RequestRecord(path="/v1/chat/completions", started=0.0, model="m")
+    body = json.dumps(chat()).encode()
+    _, connection = await relay._send([doomed, live], "/v1/chat/completions", body, record)
+    assert record.upstream == live and connection.status == 200
+    await connection.aclose()

@@ -160,16 +160,7 @@ class Relay:
         # costs about as much as a read, so a request gets one, not one per step.
         scope = trio.CancelScope(deadline=trio.current_time() + self.upstream_timeout)
         with scope:
-            pool, upstream, connection = await self._connect(upstreams)
-            record.upstream = upstream
-            request = request_bytes(self._head(upstream, path), body)
-            try:
-                await _exchange(connection, request)
-            except _StaleConnection:
-                # The engine closed this kept-alive connection as we reused it (llama.cpp
-                # does after a stream): it never read the request, so a fresh one may carry it.
-                connection = await pool.connect()
-                await _exchange(connection, request)
+            pool, connection = await self._send(upstreams, path, body, record)
             record.status = connection.status
             await self._relay_body(client, pool, connection, strip_usage, record, scope)
         if scope.cancelled_caught:
@@ -186,20 +177,35 @@ class Relay:
             head = self._heads[key] = request_head(upstream.host, upstream.port, path, upstream.engine_key)
         return head
 
-    async def _connect(
-        self, upstreams: Sequence[Upstream]
-    ) -> tuple[UpstreamPool, Upstream, EngineConnection]:
+    async def _send(
+        self, upstreams: Sequence[Upstream], path: str, body: bytes, record: RequestRecord
+    ) -> tuple[UpstreamPool, EngineConnection]:
+        """Sends the request to the first upstream that takes a connection, and reads the
+        answer's head. A failed connect moves on to the next: nothing reached that engine."""
         failure: OSError | None = None
         for upstream in upstreams:
             key = (upstream.host, upstream.port)
             pool = self.pools.get(key)
             if pool is None:
                 pool = self.pools[key] = UpstreamPool(upstream.host, upstream.port, max_idle=self.max_idle)
+            request = request_bytes(self._head(upstream, path), body)
             try:
-                return pool, upstream, await pool.acquire()
-            except OSError as error:
+                connection = await pool.acquire()
+                record.upstream = upstream
+                try:
+                    await _exchange(connection, request)
+                except _StaleConnection:
+                    # The engine closed this kept-alive connection as we reused it (llama.cpp
+                    # does after a stream): it never read the request, so a fresh one may carry
+                    # it — unless the engine is gone, and then the connect fails like any other.
+                    connection = await pool.connect()
+                    await _exchange(connection, request)
+            except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
                 log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
+                record.upstream = None
                 failure = error
+                continue
+            return pool, connection
         raise GatewayError(502, f"Cannot reach the engine: {failure}", code="upstream_unreachable")
 
     async def _relay_body(
