@@ -107,6 +107,7 @@ def run(
     reported: tuple[ReportedShard, ...] = (),
     ids: Ids | None = None,
     models: dict[str, Model] | None = None,
+    awaiting: frozenset[str] = frozenset(),
 ) -> Plan:
     return reconcile(
         models=MODELS if models is None else models,
@@ -118,6 +119,7 @@ def run(
         config=CONFIG,
         new_id=ids or Ids(),
         reported=reported,
+        awaiting=awaiting,
     )
 
 
@@ -265,6 +267,20 @@ def test_the_wanted_count_is_kept_within_the_profiles_bounds():
     assert len(run(fleet=fleet, profiles=(chat,), desired={"chat": 9}).replicas) == 2
     assert len(run(fleet=fleet, profiles=(chat,), desired={"chat": 0}).replicas) == 1
     assert len(run(fleet=fleet, profiles=(chat,)).replicas) == 1  # not given: min_replicas
+
+
+def test_counts_hold_while_a_node_from_before_a_restart_has_not_reported():
+    """A restarted server knows the node but not yet what it runs: a replica added now would
+    duplicate the one it is about to report, and one drained now might be the one it serves."""
+    fleet = cluster(node("node-1", gpus=4), node("node-2", gpus=4))
+    waiting = run(fleet=fleet, awaiting=frozenset({"node-2"}))
+    assert waiting.replicas == () and not waiting.actions
+    plan, _ = ready(fleet, desired={"chat": 2}, profiles=(profile(max_replicas=2),))
+    kept = run(
+        plan.replicas, fleet=fleet, profiles=(profile(max_replicas=2),), awaiting=frozenset({"node-2"})
+    )
+    assert len(kept.replicas) == 2 and not of(kept, DrainReplica)
+    assert len(run(fleet=fleet).replicas) == 1  # once every node has spoken
 
 
 def test_cpu_replicas_keep_their_memory_from_one_pass_to_the_next():

@@ -263,13 +263,17 @@ def reconcile(
     config: ReconcileConfig,
     new_id: Callable[[], str],
     reported: Iterable[ReportedShard] = (),
+    awaiting: frozenset[str] = frozenset(),
 ) -> Plan:
     """One pass. ``desired`` maps a profile to its wanted count (missing: its min_replicas).
 
     ``new_id`` names each replica the pass creates; it must not repeat an id (the engine key is
-    derived from it). ``reported`` is every shard the agents say they run.
+    derived from it). ``reported`` is every shard the agents say they run. ``awaiting`` names the
+    nodes known from before a server restart that have not reported since, nor been declared
+    lost: while there are any, counts are neither raised nor lowered, since what those nodes
+    run is not known yet — a replica added now could be one they are serving already.
     """
-    return _Pass(models, profiles, replicas, cluster, desired, now, config, new_id, reported).run()
+    return _Pass(models, profiles, replicas, cluster, desired, now, config, new_id, reported, awaiting).run()
 
 
 # --- one pass --------------------------------------------------------------------------------------
@@ -304,7 +308,9 @@ class _Pass:
         config: ReconcileConfig,
         new_id: Callable[[], str],
         reported: Iterable[ReportedShard],
+        awaiting: frozenset[str] = frozenset(),
     ) -> None:
+        self.awaiting = awaiting
         self.models = models
         self.profiles = profiles
         self.records: dict[str, Replica] = {r.id: r for r in replicas}
@@ -565,6 +571,8 @@ class _Pass:
     # --- 4. scale --------------------------------------------------------------------------------
 
     def _scale(self) -> None:
+        if self.awaiting:
+            return  # the next pass after the last of them reports (or is lost) scales
         counted: dict[str, list[Replica]] = collections.defaultdict(list)
         for record in self.records.values():
             if record.state in COUNTED:

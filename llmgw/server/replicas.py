@@ -168,6 +168,7 @@ class ReplicaManager:
             config=self._config,
             new_id=lambda: f"r-{secrets.token_hex(4)}",
             reported=self._reported(),
+            awaiting=self._awaiting(),
         )
         self._records = {record.id: record for record in plan.replicas}
         self._candidates = {rid: why for rid, why in self._candidates.items() if rid in self._records}
@@ -193,6 +194,15 @@ class ReplicaManager:
             self._scale_reasons[name] = decision.reason
             wanted[name] = decision.count
         return wanted
+
+    def _awaiting(self) -> frozenset[str]:
+        """Nodes from before this server started that have neither registered since nor been
+        declared lost: their shards are not reported yet."""
+        return frozenset(
+            node.name
+            for node in self._registry.list()
+            if node.registrations == 0 and node.state is not NodeState.LOST
+        )
 
     def _reported(self) -> list[ReportedShard]:
         return [
