@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
+import attrs
+import cattrs
 import pytest
 import trio
 import trio.testing
@@ -9,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.wire.codec import FramingError, LineDecoder, decode, encode
+from llmgw.wire import h2link
 from llmgw.wire.h2link import STREAM_WINDOW, H2Link, LinkClosed
 from llmgw.wire.messages import (
     ForeignProcess,
@@ -89,11 +95,71 @@ def test_decoder_reassembles_messages_split_anywhere(batch, chunk):
 
 
 @pytest.mark.parametrize(
-    "junk", [b"{}\n", b'{"type":"Nope"}\n', b"not json\n", b'{"type":"Ping","id":"x"}\n']
+    "junk", [b"{}\n", b'{"type":""}\n', b"[]\n", b"not json\n", b'{"type":"Ping","id":"x"}\n']
 )
 def test_undecodable_lines_are_framing_errors(junk):
     with pytest.raises(FramingError):
         LineDecoder().feed(junk)
+
+
+@attrs.frozen(kw_only=True)
+class FutureCommand:
+    """A message type of a version after this one."""
+
+    id: int
+    setting: str
+
+
+@attrs.frozen(kw_only=True)
+class NewerPing:
+    """Ping as a later version might send it: a field this version lacks."""
+
+    id: int
+    payload: str = ""
+    trace: dict = attrs.Factory(dict)
+    priority: int = 0
+
+
+def newer_encode(message) -> bytes:
+    """The encoder of a newer version, whose message set adds FutureCommand."""
+    converter = cattrs.Converter()
+    data = converter.unstructure(message)
+    name = {"NewerPing": "Ping"}.get(type(message).__name__, type(message).__name__)
+    return json.dumps({**data, "type": name}).encode() + b"\n"
+
+
+def test_a_newer_peers_unknown_type_is_skipped_once_logged_and_its_extra_fields_ignored(caplog):
+    decoder = LineDecoder()
+    wire = (
+        encode(Heartbeat(seq=1))
+        + newer_encode(FutureCommand(id=7, setting="on"))
+        + newer_encode(NewerPing(id=3, payload="p", priority=9))
+        + newer_encode(FutureCommand(id=8, setting="off"))
+    )
+    with caplog.at_level(logging.WARNING, logger="llmgw.wire.codec"):
+        sized = decoder.feed_sized(wire)
+    assert [message for message, _ in sized] == [Heartbeat(seq=1), None, Ping(id=3, payload="p"), None]
+    assert sum(size for _, size in sized) == len(wire)  # a skipped message's credit is returned too
+    assert [r.getMessage() for r in caplog.records] == [
+        "skipping link messages of type 'FutureCommand', which this version does not know (the peer is "
+        "newer); said once per connection"
+    ]
+
+
+async def test_a_link_carries_on_past_a_message_it_does_not_know(monkeypatch):
+    """A rolling upgrade: the newer side sends a command this side lacks, then an old one; the
+    link stays up and the old one arrives."""
+    async with trio.open_nursery() as nursery:
+        client, server = await linked_pair(nursery)
+        monkeypatch.setattr(h2link, "encode", newer_encode)
+        await client.send(FutureCommand(id=1, setting="x"))
+        await client.send(Ping(id=2))
+        with trio.fail_after(10):
+            assert await server.receive() == Ping(id=2)
+        await server.send(Pong(reply_to=2))
+        with trio.fail_after(10):
+            assert await client.receive() == Pong(reply_to=2)
+        nursery.cancel_scope.cancel()
 
 
 def test_a_line_past_the_limit_is_refused_before_it_ends():
