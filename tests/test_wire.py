@@ -13,8 +13,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.wire.codec import FramingError, LineDecoder, decode, encode
 from llmgw.wire import h2link
+from llmgw.wire.codec import FramingError, LineDecoder, decode, encode
 from llmgw.wire.h2link import STREAM_WINDOW, H2Link, LinkClosed
 from llmgw.wire.messages import (
     ForeignProcess,
