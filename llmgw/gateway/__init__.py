@@ -5,15 +5,16 @@ tops out near 1k req/s per process and httpx near 300 proxied req/s, while a bar
 does ~4k req/s on one core.
 """
 
+from llmgw.gateway.contract import Gate, RequestRecord, Router, StaticRouter, Upstream
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.http import MAX_BODY_BYTES, serve_gateway
-from llmgw.gateway.relay import UPSTREAM_TIMEOUT, RequestRecord
-from llmgw.gateway.router import Router, StaticRouter, Upstream
+from llmgw.gateway.relay import UPSTREAM_TIMEOUT
 from llmgw.gateway.usage import Usage
 
 __all__ = [
     "MAX_BODY_BYTES",
     "UPSTREAM_TIMEOUT",
+    "Gate",
     "GatewayError",
     "RequestRecord",
     "Router",

@@ -15,14 +15,13 @@ from functools import partial
 import h11
 import trio
 
+from llmgw.gateway.contract import Gate, RequestRecord, Router
 from llmgw.gateway.errors import GatewayError
-from llmgw.gateway.gate import Gate
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmgw.gateway.pump import StreamPump
-from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted, RequestRecord
+from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted
 from llmgw.gateway.responder import Responder
-from llmgw.gateway.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from llmgw.gateway.relay import RequestRecord
+from llmgw.gateway.contract import RequestRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
 

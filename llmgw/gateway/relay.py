@@ -19,21 +19,17 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
 import trio
 
+from llmgw.gateway.contract import Gate, RequestRecord, Router, Upstream
 from llmgw.gateway.engine_http import EngineConnection, EngineFailed, request_bytes, request_head
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
 from llmgw.gateway.pump import ClientGone, PumpedStream, StreamPump
 from llmgw.gateway.responder import Headers, Responder
-from llmgw.gateway.router import Router, Upstream
-from llmgw.gateway.usage import StreamUsage, Usage, usage_in_body
-
-if TYPE_CHECKING:
-    from llmgw.gateway.gate import Gate
+from llmgw.gateway.usage import StreamUsage, usage_in_body
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +40,6 @@ UPSTREAM_TIMEOUT = 600.0
 _UPSTREAM_FAILURES = (trio.BrokenResourceError, EngineFailed, OSError)
 # Request heads kept per (upstream, path); a bound, as upstreams change over the process's life.
 MAX_CACHED_HEADS = 1024
-
-
-@attrs.define
-class RequestRecord:
-    """What happened to one model request, handed to `on_done` when it ends (for accounting)."""
-
-    path: str
-    started: float  # trio.current_time()
-    model: str | None = None
-    stream: bool = False
-    upstream: Upstream | None = None
-    status: int = 0  # what the client was told; 0 if it was told nothing
-    usage: Usage | None = None
-    completed: bool = False  # the whole answer reached the client
-    finished: float = 0.0
-    # When the answer's first body bytes went to the client: a stream's first token, or the
-    # whole of a non-streaming answer. None if none went.
-    first_byte: float | None = None
 
 
 class _StaleConnection(Exception):

@@ -22,7 +22,7 @@ from llmgw.core.catalog import Profile
 from llmgw.core.replica import ReplicaState
 from llmgw.core.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS
 from llmgw.core.scaling import EngineLoad
-from llmgw.gateway.router import Upstream
+from llmgw.gateway.contract import Upstream
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
