@@ -17,10 +17,11 @@ import trio
 
 from llmgw.agent import processes, runas, shard_state
 from llmgw.agent.discovery.nvml import gpu_memory_by_pid
-from llmgw.agent.probe import ProbeFailed, busy_requests, http_get
 from llmgw.agent.processes import OutputFollower, ProcessRecord, ProcStat
 from llmgw.agent.shard_state import ShardRecord
+from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.shard import GpuRef, ShardSpec
+from llmgw.http_probe import ProbeFailed, http_get
 from llmgw.wire.messages import Compute, GpuUse
 from tests.helpers import wait_for
 from tests.test_discovery import FakeNvml

@@ -29,12 +29,13 @@ import pytest
 import trio
 
 from llmgw.agent import processes, shard_state
-from llmgw.agent.probe import busy_requests, http_get
 from llmgw.agent.processes import ProcessRecord, members, process_table, read_cmdline, read_stat
 from llmgw.agent.shard_state import ShardRecord
 from llmgw.agent.supervisor import Supervisor
 from llmgw.core.engines import EngineBinaries
+from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.shard import GpuRef, ShardSpec
+from llmgw.http_probe import http_get
 from llmgw.wire.messages import Compute, GpuUse, ShardState, ShardStatus
 from tests.conftest import group_exists
 from tests.helpers import DEADLINE, wait_for

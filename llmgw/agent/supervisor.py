@@ -30,7 +30,6 @@ import trio
 from llmgw.agent import runas, shard_state
 from llmgw.agent.adapters import AdapterCache, NotDelivered
 from llmgw.agent.discovery.nvml import gpu_memory_by_pid
-from llmgw.agent.probe import ProbeFailed, busy_requests, http_get
 from llmgw.agent.processes import (
     OutputFollower,
     ProcessRecord,
@@ -49,7 +48,9 @@ from llmgw.agent.processes import (
 )
 from llmgw.agent.shard_state import ShardRecord
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan
+from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.shard import LaunchPlan, ShardSpec
+from llmgw.http_probe import ProbeFailed, http_get
 from llmgw.wire.messages import Compute, GpuUse, RunningShard, ShardState, ShardStatus
 
 log = logging.getLogger(__name__)

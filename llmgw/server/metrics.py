@@ -2,7 +2,7 @@
 
 For every Ready replica the scraper GETs rank 0's ``/metrics`` with the replica's engine key and
 keeps three numbers: requests running, requests the engine queued (waiting), and saturation (0 idle
-… 1 full). Which metric names give them depends on the engine (see ``ENGINE_METRICS``); the text is
+… 1 full). Which metric names give them depends on the engine (see ``core.engines.load_metrics``); the text is
 parsed with prometheus_client's parser, never by hand.
 
 A replica whose engine does not answer (refused, timed out, not 200, not Prometheus text) has no
@@ -20,9 +20,10 @@ import attrs
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.agent.probe import ProbeFailed, http_get
+from llmgw.core.engines.load_metrics import ENGINE_METRICS
 from llmgw.core.replica import Replica, ReplicaState
 from llmgw.core.scaling import EngineLoad
+from llmgw.http_probe import ProbeFailed, http_get
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
 
@@ -38,33 +39,6 @@ SCRAPE_TIMEOUT = 2.0
 # hundred KiB, which would block the gateway's event loop for tens of ms: past this size the
 # parse runs in a worker thread.
 PARSE_INLINE_BYTES = 64 * 1024
-
-
-@attrs.frozen
-class EngineMetrics:
-    """How to read one engine's load from its Prometheus names (as the parser reports them)."""
-
-    engine: str
-    running: str
-    waiting: str
-    saturation: tuple[str, ...] = ()  # the first one present wins; empty: the engine has none
-
-
-# Checked in order; the first whose running metric is present is the engine. Gauges keep their
-# names through prometheus_client's parser, colons included (only counters lose ``_total``).
-ENGINE_METRICS = (
-    # vLLM < 0.10 called its KV gauge gpu_cache_usage_perc.
-    EngineMetrics(
-        "vllm",
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    ),
-    # Only exposed with --enable-metrics; token_usage is the KV pool's fill, 0..1.
-    EngineMetrics("sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)),
-    # llama-server b11434 with --metrics has no KV gauge: saturation comes from its slots.
-    EngineMetrics("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
-)
 
 
 @attrs.frozen

@@ -1,7 +1,8 @@
-"""What the agent asks an engine over HTTP: one GET at a time, and what /metrics says about load.
+"""One GET to an engine: the agent's readiness checks and drains, the server's metrics scrapes.
 
 A bare trio + h11 client: one connection per request (``Connection: close``), which suits a
-health check every second or so and needs no pool.
+health check every second or so, or a scrape every few, and needs no pool. Neither the agent nor
+the server owns it, so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -13,16 +14,6 @@ import trio
 # an engine answering.
 MAX_BODY_BYTES = 4 * 2**20
 RECEIVE_BYTES = 64 * 2**10
-
-# Requests an engine holds, running or queued, by engine: a drain waits for all of them.
-BUSY_METRICS = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "llamacpp:requests_processing",
-    "llamacpp:requests_deferred",
-    "sglang:num_running_reqs",
-    "sglang:num_queue_reqs",
-)
 
 
 class ProbeFailed(Exception):
@@ -75,23 +66,3 @@ async def _get(host: str, port: int, path: str, headers: dict[str, str]) -> tupl
                 return status, bytes(body)
             elif isinstance(event, h11.ConnectionClosed):
                 raise ProbeFailed(f"{host}:{port}{path} closed the connection without answering")
-
-
-def busy_requests(metrics: str) -> int | None:
-    """Requests running or queued, from Prometheus text; None when no known metric is there."""
-    total: float | None = None
-    for line in metrics.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name = line[: line.index("{")]
-            rest = line[line.rindex("}") + 1 :].split()
-        else:
-            name, *rest = line.split()
-        if name in BUSY_METRICS and rest:
-            try:
-                value = float(rest[0])
-            except ValueError:
-                continue
-            total = (total or 0.0) + value
-    return None if total is None else round(total)

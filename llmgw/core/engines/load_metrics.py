@@ -1,0 +1,61 @@
+"""Where each engine's /metrics says how loaded it is: one table for the agent and the server.
+
+The server's scraper reads running, waiting and KV fill from it (routing and scaling); the
+agent's drain waits until the running and waiting requests are none. Both read the same names,
+so an engine's metrics are named once.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class EngineMetrics:
+    """How to read one engine's load from its Prometheus names (as the parser reports them)."""
+
+    engine: str
+    running: str
+    waiting: str
+    saturation: tuple[str, ...] = ()  # the first one present wins; empty: the engine has none
+
+
+# Checked in order; the first whose running metric is present is the engine. Gauges keep their
+# names through prometheus_client's parser, colons included (only counters lose ``_total``).
+ENGINE_METRICS = (
+    # vLLM < 0.10 called its KV gauge gpu_cache_usage_perc.
+    EngineMetrics(
+        "vllm",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    # Only exposed with --enable-metrics; token_usage is the KV pool's fill, 0..1.
+    EngineMetrics("sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)),
+    # llama-server b11434 with --metrics has no KV gauge: saturation comes from its slots.
+    EngineMetrics("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
+)
+
+
+# Requests an engine holds, running or queued, by engine: a drain waits for all of them.
+BUSY_METRICS = frozenset(name for names in ENGINE_METRICS for name in (names.running, names.waiting))
+
+
+def busy_requests(metrics: str) -> int | None:
+    """Requests running or queued, from Prometheus text; None when no known metric is there."""
+    total: float | None = None
+    for line in metrics.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name = line[: line.index("{")]
+            rest = line[line.rindex("}") + 1 :].split()
+        else:
+            name, *rest = line.split()
+        if name in BUSY_METRICS and rest:
+            try:
+                value = float(rest[0])
+            except ValueError:
+                continue
+            total = (total or 0.0) + value
+    return None if total is None else round(total)
