@@ -37,8 +37,9 @@ The server itself keeps only their SHA-256.
 
 AGENT_HELP = """\
 Runs the node agent: discovers the node (GPUs through NVML, InfiniBand/RoCE from
-sysfs), connects to the server's agent link and keeps that connection up, with
-capped, jittered backoff between attempts.
+sysfs, or both from the file that discovery.simulate names), connects to the
+server's agent link and keeps that connection up, with capped, jittered backoff
+between attempts.
 
 The join token comes from server.join_token_file, else $LLMGW_JOIN_TOKEN, else
 the token file of a server on this machine using the default data directory.
@@ -83,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print what the scheduler will see of this node",
         description="Discovers this node once and prints it: GPUs, classes, health, fabric.",
     )
-    inventory.add_argument("--config", type=Path, metavar="FILE", help="agent.yaml (for fabric)")
+    inventory.add_argument(
+        "--config", type=Path, metavar="FILE", help="agent.yaml (for fabric and discovery.simulate)"
+    )
     inventory.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inventory.set_defaults(func=_cmd_inventory)
 
@@ -139,13 +142,17 @@ def _cmd_inventory(args: argparse.Namespace) -> int:
 
     from llmgw.agent.discovery import discover
     from llmgw.agent.render import inventory_json, render_inventory
+    from llmgw.agent.run import AgentSetupError, check_simulation, node_name
     from llmgw.config import ConfigError, load_agent_config
 
     try:
         config = load_agent_config(args.config)
-    except ConfigError as exc:
+        check_simulation(config)
+    except (ConfigError, AgentSetupError) as exc:
         return _fail("agent", exc, EXIT_CONFIG)
-    inventory = discover(fabric_override=config.fabric)
+    inventory = discover(
+        fabric_override=config.fabric, simulate=config.discovery.simulate, node=node_name(config)
+    )
     if args.json:
         print(inventory_json(inventory))
     else:

@@ -11,7 +11,8 @@ next to its certificates keeps working wherever it is started from.
 server.yaml also declares catalog entries (``models:`` and ``profiles:``, each a mapping from a
 name to that entry's options). The same converter reads a catalog file for ``llmgw ctl apply`` and
 the admin API's catalog requests, so an entry means the same, and a mistake reads the same,
-wherever it is written.
+wherever it is written. The file agent.yaml's ``discovery.simulate`` names (a node's GPUs, made up)
+is read by the same converter too.
 """
 
 from __future__ import annotations
@@ -379,6 +380,16 @@ class EnginesConfig:
 
 
 @attrs.frozen(kw_only=True)
+class DiscoveryConfig:
+    """Where the agent learns what its node is made of."""
+
+    # A file of made-up GPUs (and optionally an RDMA sysfs tree) read instead of NVML and /sys, so
+    # a laptop can try a catalog and its placement, and one machine can run a fleet of agents.
+    # None: the real hardware. See SimulatedNode for the file's contents.
+    simulate: Path | None = None
+
+
+@attrs.frozen(kw_only=True)
 class AgentConfig:
     # None: the caller uses the host name, lowercased.
     node_name: NodeName | None = None
@@ -389,6 +400,84 @@ class AgentConfig:
     server: AgentServerConfig = attrs.field(factory=AgentServerConfig)
     reconnect: ReconnectConfig = attrs.field(factory=ReconnectConfig)
     engines: EnginesConfig = attrs.field(factory=EnginesConfig)
+    discovery: DiscoveryConfig = attrs.field(factory=DiscoveryConfig)
+
+
+# --- a simulated node (the file agent.yaml's discovery.simulate names) --------------------------
+
+ComputeCapability = Annotated[str, "major.minor, like 8.9"]
+_COMPUTE_CAPABILITY = re.compile(r"[0-9]+\.[0-9]+")
+# NVML's count of uncorrected ECC errors is -1 for a GPU without ECC (consumer cards, ECC off).
+_NO_ECC = -1
+
+
+def _nonempty(what: str) -> Callable[[Any, attrs.Attribute, str | None], None]:
+    def check(_instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+        if value is not None and not value.strip():
+            raise _BadValue(f"expected {what}, got {_show(value)}", key=attribute.name)
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class SimulatedGpu:
+    """One made-up GPU, in the terms NVML would use for it."""
+
+    # The product name NVML reports ("NVIDIA L40S"); with memory_mib it makes the gpu class.
+    name: str = attrs.field(validator=_nonempty('a product name like "NVIDIA L40S"'))
+    # Total memory as the driver reports it (an L40S: 46068), not the box's figure.
+    memory_mib: int = attrs.field()
+    compute_capability: ComputeCapability
+    # None: GPU-sim-<node>-<index>, stable across restarts like a real card's.
+    uuid: str | None = attrs.field(default=None, validator=_nonempty("a uuid"))
+    # Volatile uncorrected ECC errors: above 0 the GPU is unhealthy; -1: a GPU without ECC.
+    ecc_errors: int = attrs.field(default=0)
+    # Memory something outside llmgw already holds: what placement cannot count on.
+    used_mib: int = attrs.field(default=0)
+
+    @memory_mib.validator
+    def _positive(self, _attribute: attrs.Attribute, value: int) -> None:
+        if value < 1:
+            raise _BadValue(f"expected an integer >= 1, got {value}", key="memory_mib")
+
+    @ecc_errors.validator
+    def _ecc(self, _attribute: attrs.Attribute, value: int) -> None:
+        if value < _NO_ECC:
+            raise _BadValue(
+                f"expected an integer >= 0, or -1 for a GPU without ECC, got {value}", key="ecc_errors"
+            )
+
+    @used_mib.validator
+    def _within_memory(self, _attribute: attrs.Attribute, value: int) -> None:
+        if not 0 <= value <= self.memory_mib:
+            raise _BadValue(
+                f"expected an integer from 0 to memory_mib ({self.memory_mib}), got {value}", key="used_mib"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class SimulatedNode:
+    """A node's hardware as a file says it is: GPUs, and where to read RDMA ports from."""
+
+    # In index order; [] is a node without GPUs.
+    gpus: tuple[SimulatedGpu, ...] = attrs.field()
+    # A sysfs root laid out like /sys (class/infiniband/<device>/ports/<n>/), read instead of
+    # /sys. None: the node has no RDMA ports.
+    infiniband_sysfs: Path | None = None
+
+    @gpus.validator
+    def _unique_uuids(self, _attribute: attrs.Attribute, value: tuple[SimulatedGpu, ...]) -> None:
+        # The server and the engines tell cards apart by uuid; two alike would be one card twice.
+        first: dict[str, int] = {}
+        for index, gpu in enumerate(value):
+            if gpu.uuid is None:
+                continue
+            if gpu.uuid in first:
+                raise _BadValue(
+                    f"{_show(gpu.uuid)} is already the uuid of gpus[{first[gpu.uuid]}]",
+                    key=("gpus", _Index(index), "uuid"),
+                )
+            first[gpu.uuid] = index
 
 
 @attrs.frozen(kw_only=True)
@@ -440,6 +529,14 @@ def _structure_log_level(value: Any, _type: Any) -> str:
     if level not in LOG_LEVELS:
         raise _BadValue(f"expected one of {', '.join(LOG_LEVELS)}, got {_show(value)}")
     return level
+
+
+def _structure_compute_capability(value: Any, _type: Any) -> str:
+    # YAML reads an unquoted 9.0 as a number; that is what the operator meant, so it is taken.
+    text = repr(value) if isinstance(value, float) else value
+    if not isinstance(text, str) or not _COMPUTE_CAPABILITY.fullmatch(text):
+        raise _BadValue(f'expected major.minor like "8.9", got {_show(value)}')
+    return text
 
 
 def _structure_node_name(value: Any, _type: Any) -> str:
@@ -549,6 +646,7 @@ def _make_converter() -> cattrs.Converter:
         (PositiveInt, _structure_positive_int),
         (LogLevel, _structure_log_level),
         (NodeName, _structure_node_name),
+        (ComputeCapability, _structure_compute_capability),
         (CatalogModels, _catalog_hook(conv, Model, "models")),
         (CatalogProfiles, _catalog_hook(conv, Profile, "profiles")),
     ]:
@@ -748,6 +846,25 @@ def load_agent_config(path: Path | None) -> AgentConfig:
     return AgentConfig() if path is None else _load(path, AgentConfig)
 
 
+def parse_simulated_node(text: str, name: str = "gpus.yaml", base_dir: Path | None = None) -> SimulatedNode:
+    """Parses a discovery.simulate file's text; relative paths are anchored at ``base_dir``."""
+    return _parse(text, SimulatedNode, name, base_dir)
+
+
+def load_simulated_node(path: Path) -> SimulatedNode:
+    """Reads a discovery.simulate file: relative paths in it are anchored at its directory, and
+    its infiniband_sysfs must hold the tree (a typo there would quietly mean no RDMA ports)."""
+    node = _load(path, SimulatedNode)
+    sysfs = node.infiniband_sysfs
+    if sysfs is not None and not (sysfs / "class" / "infiniband").is_dir():
+        raise ConfigError(
+            path.name,
+            f"no class/infiniband directory in {sysfs} (expected a tree laid out like /sys)",
+            key="infiniband_sysfs",
+        )
+    return node
+
+
 __all__ = [
     "LOG_LEVELS",
     "Address",
@@ -757,7 +874,9 @@ __all__ = [
     "CatalogFile",
     "CatalogModels",
     "CatalogProfiles",
+    "ComputeCapability",
     "ConfigError",
+    "DiscoveryConfig",
     "Duration",
     "LinkConfig",
     "LogLevel",
@@ -766,13 +885,17 @@ __all__ = [
     "ReconnectConfig",
     "ServerConfig",
     "ServerTls",
+    "SimulatedGpu",
+    "SimulatedNode",
     "converter",
     "default_home",
     "load_agent_config",
     "load_server_config",
+    "load_simulated_node",
     "parse_agent_config",
     "parse_catalog_file",
     "parse_duration",
     "parse_server_config",
+    "parse_simulated_node",
     "structure_catalog",
 ]

@@ -86,6 +86,7 @@ def test_agent_defaults(home: Path) -> None:
     assert config.server.server_name is None
     assert config.reconnect.initial_delay == 0.5
     assert config.reconnect.max_delay == 30.0
+    assert config.discovery.simulate is None  # the real hardware
 
 
 @pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n", "~\n"])
@@ -194,7 +195,9 @@ def test_agent_full_file(tmp_path: Path) -> None:
         "  server_name: cp.internal\n"
         "reconnect:\n"
         "  initial_delay: 1\n"
-        "  max_delay: 1h\n",
+        "  max_delay: 1h\n"
+        "discovery:\n"
+        "  simulate: sim/gpus.yaml\n",
         base_dir=tmp_path,
     )
     assert config.node_name == "gpu-01.rack3"
@@ -207,6 +210,7 @@ def test_agent_full_file(tmp_path: Path) -> None:
     assert config.server.server_name == "cp.internal"
     assert config.reconnect.initial_delay == 1.0
     assert config.reconnect.max_delay == 3600.0
+    assert config.discovery.simulate == tmp_path / "sim/gpus.yaml"
 
 
 # --- paths -------------------------------------------------------------------------------------
@@ -232,6 +236,16 @@ def test_tilde_is_expanded(home: Path) -> None:
     config = parse_server_config("data_dir: ~/llmgw\nadmin:\n  token_file: ~/admin\n")
     assert config.data_dir == home / "llmgw"
     assert config.admin_token_path == home / "admin"
+    assert (
+        parse_agent_config("discovery:\n  simulate: ~/gpus.yaml\n").discovery.simulate == home / "gpus.yaml"
+    )
+
+
+def test_simulate_path_resolves_against_agent_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf/agent.yaml").write_text("discovery:\n  simulate: gpus.yaml\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_agent_config(Path("conf/agent.yaml")).discovery.simulate == tmp_path / "conf/gpus.yaml"
 
 
 def test_token_paths_follow_data_dir(tmp_path: Path) -> None:
@@ -470,6 +484,10 @@ def test_bad_missed_heartbeats(value: str, got: str) -> None:
         ("server:\n  join_token_file: 1\n", "agent.yaml: server.join_token_file: expected a path, got 1"),
         ("server: 5\n", "agent.yaml: server: expected a mapping of options, got 5"),
         ("reconnect: [1, 2]\n", "agent.yaml: reconnect: expected a mapping of options, got a list"),
+        ("discovery: 5\n", "agent.yaml: discovery: expected a mapping of options, got 5"),
+        ("discovery:\n  simulate: 5\n", "agent.yaml: discovery.simulate: expected a path, got 5"),
+        ("discovery:\n  simulate: ''\n", 'agent.yaml: discovery.simulate: expected a path, got ""'),
+        ("discovery:\n  simulate: [a.yaml]\n", "agent.yaml: discovery.simulate: expected a path, got a list"),
     ],
 )
 def test_agent_wrong_types(text: str, message: str) -> None:
@@ -583,7 +601,7 @@ def test_server_unknown_key(text: str, message: str) -> None:
     [
         (
             "name: gpu1\n",
-            "agent.yaml: name: unknown key (expected one of: node_name, work_dir, log_level, fabric, server, reconnect, engines)",
+            "agent.yaml: name: unknown key (expected one of: node_name, work_dir, log_level, fabric, server, reconnect, engines, discovery)",
         ),
         (
             "server:\n  adress: h:1\n",
@@ -592,6 +610,10 @@ def test_server_unknown_key(text: str, message: str) -> None:
         (
             "reconnect:\n  max: 5s\n",
             "agent.yaml: reconnect.max: unknown key (expected one of: initial_delay, max_delay)",
+        ),
+        (
+            "discovery:\n  simulated: gpus.yaml\n",
+            "agent.yaml: discovery.simulated: unknown key (expected one of: simulate)",
         ),
     ],
 )

@@ -247,6 +247,31 @@ def test_node_show_renders_the_inventory(monkeypatch):
     assert "l40s-45g" in text
 
 
+def simulated(entry: dict) -> dict:
+    return {**entry, "inventory": {**entry["inventory"], "simulated": True}}
+
+
+def test_nodes_table_marks_simulated_gpus():
+    console = Console(record=True, width=140)
+    console.print(render.nodes_table([simulated(NODES[0]), simulated(NODES[1]), NODES[2]], NOW))
+    lines = console.export_text().splitlines()
+    assert lines[1].split()[:5] == ["gpu-1", "online", "2×", "l40s-45g", "(simulated)"]
+    assert lines[2].split()[:4] == ["cpu-1", "online", "cpu", "(simulated)"]
+    # Real hardware, and an older server's answer without the field: no marker.
+    assert "(simulated)" not in lines[3]
+
+
+def test_node_show_says_the_gpus_are_simulated():
+    console = Console(record=True, width=140)
+    render.render_node(simulated(NODES[0]), NOW, console)
+    text = console.export_text()
+    assert text.startswith("gpu-1  online  heartbeat 2s ago  agent 0.1.0  simulated GPUs")
+    assert "GPUs (simulated)" in text
+    console = Console(record=True, width=140)
+    render.render_node(NODES[0], NOW, console)
+    assert "simulated" not in console.export_text()
+
+
 # --- commands against a fake client -------------------------------------------------------------
 
 

@@ -23,9 +23,10 @@ def render_inventory(inv: Inventory, console: Console) -> None:
         f"fabric {escape(inv.fabric) or 'none (single-node island)'}  mgmt {escape(mgmt)}"
     )
     if inv.gpus:
-        console.print(_gpu_table(inv.gpus))
+        console.print(_gpu_table(inv.gpus, simulated=inv.simulated))
     else:
-        console.print(f"no GPUs ({escape(inv.gpu_note or 'NVML lists none')})")
+        found_by = "the simulation file lists none" if inv.simulated else "NVML lists none"
+        console.print(f"no GPUs ({escape(inv.gpu_note or found_by)})")
     if inv.ib_ports:
         console.print(_ib_table(inv))
 
@@ -35,8 +36,8 @@ def inventory_json(inv: Inventory) -> str:
     return json.dumps(converter.unstructure(inv), indent=2)
 
 
-def _gpu_table(gpus: tuple[Gpu, ...]) -> Table:
-    table = Table(title="GPUs", title_justify="left")
+def _gpu_table(gpus: tuple[Gpu, ...], *, simulated: bool) -> Table:
+    table = Table(title="GPUs (simulated)" if simulated else "GPUs", title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("class")
     table.add_column("name")

@@ -20,10 +20,11 @@ import trio
 from llmgw.agent.adapters import AdapterCache
 from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.nvml import read_gpus
+from llmgw.agent.discovery.simulated import NvmlOff, read_simulated
 from llmgw.agent.link import AgentLink
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.trainer import Trainer
-from llmgw.config import AgentConfig, default_home
+from llmgw.config import AgentConfig, ConfigError, default_home, load_simulated_node
 from llmgw.core.engines import EngineBinaries
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,19 @@ def client_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
     return context
 
 
+def check_simulation(config: AgentConfig) -> None:
+    """Reads discovery.simulate once, so that a bad file stops the agent at start (status 2)
+    rather than showing a node without GPUs. Blocking."""
+    path = config.discovery.simulate
+    if path is None:
+        return
+    try:
+        node = load_simulated_node(path)
+    except ConfigError as exc:
+        raise AgentSetupError(str(exc)) from None
+    log.info("simulated GPUs from %s (%d of them): NVML is not used", path, len(node.gpus))
+
+
 def engine_binaries(config: AgentConfig) -> EngineBinaries:
     engines = config.engines
     return EngineBinaries(
@@ -111,6 +125,8 @@ def make_link(
             local_address=local_address,
             fabric_override=config.fabric,
             own_pids=_own_pids(supervisor, trainer),
+            simulate=config.discovery.simulate,
+            node=node_name(config),
         )
 
     return AgentLink(
@@ -140,6 +156,8 @@ def make_trainer(config: AgentConfig, supervisor: Supervisor, link_of: Callable[
 
     def gpus():
         # Fresh, for each job: free memory is what decides the card.
+        if config.discovery.simulate is not None:
+            return read_simulated(config.discovery.simulate, node_name(config)).gpus
         found, _note = read_gpus(own_pids=_own_pids(supervisor, None))
         return found
 
@@ -159,6 +177,7 @@ def make_trainer(config: AgentConfig, supervisor: Supervisor, link_of: Callable[
 
 
 async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    await trio.to_thread.run_sync(check_simulation, config)
     config.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Others may pass through, not list: the engines' user reaches its home and a job's run
     # directory below here by their full paths; everything else inside is 0600/0700.
@@ -175,6 +194,8 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
         # The supervisor reports from its first step (adoption), when the link object exists
         # but is not connected; the link queues until it is.
         on_status=lambda status: link.report(status),
+        # Simulated GPUs: NVML stays untouched, and so do real GPUs' processes on this machine.
+        nvml=NvmlOff() if config.discovery.simulate is not None else None,
         leader_wait=config.engines.leader_wait,
         # An adopted training child holds GPU memory that no shard describes: not foreign.
         also_ours=lambda: trainer.own_pids() if trainer is not None else frozenset(),

@@ -24,6 +24,8 @@ from llmgw.wire.messages import Inventory
 MIB_PER_GIB = 1024
 
 STATE_STYLES = {"online": "green", "lost": "red"}
+# Beside the GPUs of a node whose agent reads them from discovery.simulate, not from NVML.
+SIMULATED_MARKER = "(simulated)"
 
 
 # Piped output is for grep and awk: rich's 80-column default for a pipe would cut values short
@@ -53,7 +55,7 @@ def nodes_table(nodes: list[dict], now: float) -> Table:
         table.add_row(
             Text(node["name"]),
             state_text(node),
-            Text(gpu_summary(inventory.get("gpus", []))),
+            gpus_text(inventory),
             Text(free_memory(inventory)),
             Text(inventory.get("fabric") or "-"),
             Text(age(now - node["last_seen"])),
@@ -68,6 +70,14 @@ def state_text(node: dict) -> Text:
     if state == "online" and not node["connected"]:
         # Within the liveness window after a disconnect: the agent may be restarting.
         text.append(" (no link)", style="yellow")
+    return text
+
+
+def gpus_text(inventory: dict) -> Text:
+    """The GPUS column: the summary, marked when the GPUs are simulated."""
+    text = Text(gpu_summary(inventory.get("gpus", [])))
+    if inventory.get("simulated"):
+        text.append(f" {SIMULATED_MARKER}", style="yellow")
     return text
 
 
@@ -111,6 +121,8 @@ def render_node(node: dict, now: float, console: Console) -> None:
     header.append("  ")
     header.append_text(state_text(node))
     header.append(f"  heartbeat {age(now - node['last_seen'])}  agent {node['agent_version']}")
+    if node["inventory"].get("simulated"):
+        header.append("  simulated GPUs", style="yellow")
     console.print(header)
     render_inventory(converter.structure(node["inventory"], Inventory), console)
     if node.get("shards"):

@@ -87,6 +87,8 @@ class Inventory:
     mgmt_address: str = ""
     # Why the node has no GPUs listed, when NVML could not be used ("" when it could).
     gpu_note: str = ""
+    # The GPUs and RDMA ports come from a file (agent.yaml's discovery.simulate), not the hardware.
+    simulated: bool = False
 
 
 class ShardState:

@@ -12,6 +12,7 @@ from typing import Any
 from llmgw.agent.discovery import host
 from llmgw.agent.discovery.infiniband import fabric_name, read_ib_ports
 from llmgw.agent.discovery.nvml import read_gpus
+from llmgw.agent.discovery.simulated import read_simulated
 from llmgw.wire.messages import Inventory
 
 
@@ -23,15 +24,23 @@ def discover(
     sysfs_root: Path = Path("/sys"),
     proc_root: Path = Path("/proc"),
     own_pids: frozenset[int] = frozenset(),
+    simulate: Path | None = None,
+    node: str = "",
 ) -> Inventory:
     """The node's inventory as the server's placement will see it.
 
     ``local_address`` is the address this agent uses to reach the server; ``fabric_override``
     (agent.yaml's ``fabric:``) replaces the fabric named from the ports, and "" there makes the
-    node a single-node island on purpose.
+    node a single-node island on purpose. ``simulate`` (agent.yaml's ``discovery.simulate``) is
+    a file of GPUs and RDMA ports read instead of NVML and ``sysfs_root``; ``node`` names the
+    uuids it makes up. Host, CPUs, memory and the management interface are always this machine's.
     """
-    gpus, gpu_note = read_gpus(nvml, own_pids)
-    ib_ports = read_ib_ports(sysfs_root)
+    if simulate is None:
+        gpus, gpu_note = read_gpus(nvml, own_pids)
+        ib_ports = read_ib_ports(sysfs_root)
+    else:
+        reading = read_simulated(simulate, node)
+        gpus, gpu_note, ib_ports = reading.gpus, reading.gpu_note, reading.ib_ports
     memory_total, memory_available = host.memory_mib(proc_root)
     return Inventory(
         hostname=host.hostname(),
@@ -46,6 +55,7 @@ def discover(
         else "",
         mgmt_address=local_address,
         gpu_note=gpu_note,
+        simulated=simulate is not None,
     )
 
 

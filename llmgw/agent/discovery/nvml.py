@@ -49,13 +49,9 @@ def _read_gpu(nvml: Any, index: int, own_pids: frozenset[int]) -> Gpu:
     major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
     ecc_uncorrected = _ecc_uncorrected(nvml, handle)
     foreign = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid not in own_pids]
-    problems = []
-    if ecc_uncorrected > 0:
-        problems.append("ecc-uncorrected")
     # usedGpuMemory is None where the driver cannot say (Windows WDDM); a compute process
     # holds a context either way, so only an explicit 0 counts as holding nothing.
-    if any(p.usedGpuMemory != 0 for p in foreign):
-        problems.append("foreign-memory")
+    foreign_memory = any(p.usedGpuMemory != 0 for p in foreign)
     return Gpu(
         index=index,
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
@@ -69,8 +65,19 @@ def _read_gpu(nvml: Any, index: int, own_pids: frozenset[int]) -> Gpu:
             ForeignProcess(pid=p.pid, name=_process_name(nvml, p.pid), used_mib=(p.usedGpuMemory or 0) // MIB)
             for p in foreign
         ),
-        problems=tuple(problems),
+        problems=gpu_problems(ecc_uncorrected, foreign_memory=foreign_memory),
     )
+
+
+def gpu_problems(ecc_uncorrected: int, *, foreign_memory: bool) -> tuple[str, ...]:
+    """A GPU's health flags (Gpu.problems) from what was read of it; simulated GPUs use it too,
+    so both kinds turn unhealthy for the same reasons."""
+    problems = []
+    if ecc_uncorrected > 0:
+        problems.append("ecc-uncorrected")
+    if foreign_memory:
+        problems.append("foreign-memory")
+    return tuple(problems)
 
 
 def gpu_memory_by_pid(nvml: Any = None) -> dict[int, tuple[GpuUse, ...]]:
