@@ -17,7 +17,9 @@ from llmgw.core.routing import (
     ROUND_ROBIN,
     SPILLED,
     Candidate,
+    decide,
     has_room,
+    load,
     load_bound,
     order,
     prefix_key,
@@ -166,6 +168,52 @@ def test_every_policy_puts_a_replica_with_room_first_whenever_one_has_room(in_fl
     for policy in (PREFIX, LEAST_LOADED, ROUND_ROBIN):
         first = next(c for c in replicas if c.id == order(policy, replicas, key=key or None).order[0])
         assert room(first) > 0 or not has_room(replicas)
+
+
+# --- decide: go now, or wait for one replica ----------------------------------------------------
+
+
+def test_a_prefix_waits_for_its_full_replica_while_within_the_bound_then_spills():
+    key = keys(1)[0]
+    home = order(PREFIX, candidates(0, 0), key=key).order[0]
+    other = "r1" if home == "r0" else "r0"
+
+    def fleet(home_in_flight: int, home_queued: int = 0) -> list[Candidate]:
+        return [
+            Candidate(id=home, slots=1, in_flight=home_in_flight, queued=home_queued),
+            Candidate(id=other, slots=1),
+        ]
+
+    now = decide(PREFIX, fleet(0), key=key)
+    assert (now.choice.order[0], now.wait) == (home, False)
+    # Its replica is busy, the other idle: with 1 in flight the bound is 2, so it waits for the
+    # cache that holds its prompt rather than prefill it cold elsewhere.
+    waits = decide(PREFIX, fleet(1), key=key)
+    assert (waits.choice.order[0], waits.wait, waits.choice.outcome) == (home, True, AFFINITY)
+    # One already waits there: past the bound, the next goes to the other replica at once.
+    spills = decide(PREFIX, fleet(1, home_queued=1), key=key)
+    assert (spills.choice.order[0], spills.wait, spills.choice.outcome) == (other, False, SPILLED)
+
+
+def test_without_affinity_a_request_goes_where_there_is_room_or_stays_queued():
+    for policy in (LEAST_LOADED, ROUND_ROBIN):
+        assert decide(policy, candidates(4, 4)) is None
+        assert decide(policy, candidates(4, 1)).choice.order[0] == "r1"
+    assert decide(PREFIX, candidates(4, 4), key=None) is None  # nothing to key on: least-loaded
+    assert decide(PREFIX, [], key=b"k") is None
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), min_size=1, max_size=6),
+    st.binary(min_size=1, max_size=16),
+)
+def test_decide_keeps_the_bound_and_sends_only_where_there_is_room(loads, key):
+    replicas = [Candidate(id=f"r{i}", slots=4, in_flight=f, queued=q) for i, (f, q) in enumerate(loads)]
+    decision = decide(PREFIX, replicas, key=key)
+    target = next(c for c in replicas if c.id == decision.choice.order[0])
+    assert load(target) + 1 <= load_bound(replicas, 1.25)
+    assert decision.wait == (room(target) == 0)
 
 
 # --- the key --------------------------------------------------------------------------------

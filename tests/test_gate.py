@@ -241,6 +241,29 @@ async def test_room_is_per_replica_and_a_waiter_goes_to_the_one_that_frees(autoj
     assert [u.replica for u in through[0].upstreams] == ["r0", "r1"]  # the full one as fallback
 
 
+async def test_a_prefix_waits_for_its_replica_then_goes_when_it_frees(autojump_clock):
+    """Two one-slot replicas, one prompt: the second request waits for the first's replica (its
+    cache holds the prompt) though the other is idle; the third is past the bound and goes to
+    the other at once; the waiter goes to its replica when that frees."""
+    g = ControlPlaneGate(Keys(("s", ALICE)), Room(1, 1, policy="prefix"))
+    first = await g.admit(ALICE, "m", *chat())
+    through = []
+
+    async def second():
+        through.append(await g.admit(ALICE, "m", *chat()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not through and g.waiting_for("m") == {first.replica: 1}
+        assert g.queue_depths() == {"m": {0: 1}}  # waiting for a replica is waiting all the same
+        third = await g.admit(ALICE, "m", *chat())
+        assert third.replica != first.replica
+        g.finish(first, served(None))
+    assert [t.replica for t in through] == [first.replica]
+    assert g.waiting_for("m") == {} and g.idle_for("m") == 0
+
+
 async def test_idle_time_counts_from_the_last_request(autojump_clock):
     g = gate(Keys(("s", ALICE)))
     assert g.idle_for("m") == 0

@@ -10,11 +10,13 @@ and sent every request to the first replica.
 from __future__ import annotations
 
 import itertools
+import math
 import socket
 
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from llmgw.core.catalog import Profile
 from llmgw.core.replica import Replica, ReplicaShard, ReplicaState
@@ -198,7 +200,7 @@ async def test_distinct_prompts_spread_and_one_prompt_stays_on_its_replica(nurse
         assert f'llmgw_replica_requests_total{{model="m",replica="r{i}"}}' in text
 
 
-@pytest.mark.parametrize("policy", ["prefix", "least-loaded", "round-robin"])
+@pytest.mark.parametrize("policy", ["least-loaded", "round-robin"])
 @pytest.mark.parametrize("replicas", [2, 3, 4])
 async def test_concurrent_requests_fill_every_replica_and_none_past_its_slots(nursery, replicas, policy):
     release = trio.Event()
@@ -216,7 +218,7 @@ async def test_concurrent_requests_fill_every_replica_and_none_past_its_slots(nu
         await wait_for(
             lambda: (
                 sum(e.holding for e in engines) == 2 * replicas
-                and sum(gate.queue_depths()["m"].values()) == 3
+                and sum(gate.queue_depths().get("m", {}).values()) == 3
             ),
             "every slot taken and three requests queued",
         )
@@ -227,6 +229,42 @@ async def test_concurrent_requests_fill_every_replica_and_none_past_its_slots(nu
     assert statuses == [200] * clients
     assert max(e.most for e in engines) == 2
     assert gate.in_flight("m") == {}
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+async def test_a_hot_prefix_waits_for_its_replicas_within_the_load_bound(nursery, replicas):
+    """Many concurrent requests with one prompt start: they wait for the replicas whose cache
+    holds it rather than go to a cold one, but no replica's load (in flight and waiting for it)
+    passes CHWBL's bound, so the hot prefix spreads; and no engine runs past its slots."""
+    release = trio.Event()
+    engines = [HeldEngine(release) for _ in range(replicas)]
+    port, gate, _ = await fleet(nursery, engines, "prefix", parallel=2)
+    statuses: list[int] = []
+    clients = 2 * replicas + 3
+
+    async def client(i: int) -> None:
+        statuses.append(await call(port, chat(i, system="one shared system prompt for all of them")))
+
+    async with trio.open_nursery() as clients_nursery:
+        for i in range(clients):
+            clients_nursery.start_soon(client, i)
+        await wait_for(
+            lambda: (
+                sum(e.holding for e in engines) + sum(gate.queue_depths().get("m", {}).values()) == clients
+            ),
+            "every request held by an engine or waiting at the gateway",
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        held = {f"r{i}": e.holding for i, e in enumerate(engines)}
+        waiting = gate.waiting_for("m")
+        loads = [held[r] + waiting.get(r, 0) for r in held]
+        assert max(held.values()) <= 2
+        assert max(loads) <= math.ceil(1.25 * clients / replicas), (held, waiting)
+        assert sum(1 for n in held.values() if n) >= 2  # the bound spread the hot prefix
+        release.set()
+    assert statuses == [200] * clients
+    assert max(e.most for e in engines) == 2
+    assert gate.in_flight("m") == {} and gate.waiting_for("m") == {}
 
 
 async def test_a_replica_that_refuses_connections_is_passed_over(nursery):

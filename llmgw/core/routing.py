@@ -1,18 +1,20 @@
 """Which replica a request goes to: a model's candidate replicas, best first.
 
-The gateway is the only owner of the order. The admission queue lets a request through when
-some replica it may go to has room (:func:`has_room`); :func:`order` then ranks the candidates
-for it, and the relay tries the first and falls back to the next only when a connect fails.
+The gateway is the only owner of the order. The admission queue asks :func:`decide` for each
+request: go now to the replica it ranks first (which has room), or — with the prefix policy —
+wait for one replica in particular; the relay tries the order given and falls back to the next
+only when a connect fails.
 
 Three policies, chosen per profile:
 
 - ``prefix`` (the default): consistent hashing with bounded loads (CHWBL). The request's
   :func:`prefix_key` — the start of its prompt, which is where a chat's system prompt and first
   turns sit — picks a point on a ring of replica points; walking on from it gives the key's
-  preference list. The first replica on it whose in-flight count, with this request, stays
-  within ``load_factor × (the average in-flight + 1)`` takes it. Requests that share a prefix
-  so land where the engine's prompt cache already holds it, while no replica is loaded past
-  the bound; a replica that is added or removed moves only the keys next to its own points.
+  preference list. The first replica on it whose load (requests in flight and waiting for it),
+  with this request, stays within ``load_factor × (the average load + 1)`` takes it — at once
+  if it has room, else when it has. Requests that share a prefix so land where the engine's
+  prompt cache already holds it, while no replica is loaded past the bound; a replica that is
+  added or removed moves only the keys next to its own points.
 - ``least-loaded``: the lowest in-flight ÷ slots, with engines that report requests waiting
   inside them or a nearly full KV cache after the others; ties broken by a salt the shell
   draws, so that equal replicas share the load instead of the first one taking it all.
@@ -70,6 +72,7 @@ class Candidate:
     id: str
     slots: int  # requests it serves at once
     in_flight: int = 0  # the gateway's own requests on it now
+    queued: int = 0  # requests waiting at the gateway for this replica in particular
     # The engine's last scraped load; None when unknown (not scraped yet, or not answering).
     running: int | None = None
     waiting: int = 0
@@ -127,26 +130,78 @@ def order(
     raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
 
 
+def load(candidate: Candidate) -> int:
+    """What CHWBL counts against a replica: its requests in flight and those waiting for it."""
+    return candidate.in_flight + candidate.queued
+
+
 def load_bound(candidates: Sequence[Candidate], load_factor: float) -> int:
     """The most requests one replica may hold, this one included, under CHWBL's bound.
 
     With the ceiling, the n replicas together may hold at least ``load_factor × (total + 1)``,
-    more than the total in flight: some replica is always under the bound."""
-    total = sum(candidate.in_flight for candidate in candidates)
+    more than their total load: some replica is always under the bound."""
+    total = sum(load(candidate) for candidate in candidates)
     return max(1, math.ceil(load_factor * (total + 1) / len(candidates)))
 
 
 def _bounded_hash(candidates: Sequence[Candidate], key: bytes, load_factor: float) -> Choice:
-    by_id = {candidate.id: candidate for candidate in candidates}
-    preference = [by_id[rid] for rid in ring(tuple(sorted(by_id))).walk(key)]
+    preference = _preference(candidates, key)
     bound = load_bound(candidates, load_factor)
-    chosen = next((c for c in preference if room(c) > 0 and c.in_flight + 1 <= bound), None)
+    chosen = next((c for c in preference if room(c) > 0 and load(c) + 1 <= bound), None)
     if chosen is None:  # every replica with room is over the bound: the least loaded of those
         chosen = next((c for c in preference if room(c) > 0), preference[0])
+    return _chosen_first(chosen, preference)
+
+
+def _preference(candidates: Sequence[Candidate], key: bytes) -> list[Candidate]:
+    by_id = {candidate.id: candidate for candidate in candidates}
+    return [by_id[rid] for rid in ring(tuple(sorted(by_id))).walk(key)]
+
+
+def _chosen_first(chosen: Candidate, preference: list[Candidate]) -> Choice:
     rest = [c for c in preference if c is not chosen]
     rest.sort(key=lambda c: room(c) == 0)  # stable: the ring's order among equals
     outcome = AFFINITY if chosen is preference[0] else SPILLED
     return Choice(order=(chosen.id, *(c.id for c in rest)), outcome=outcome)
+
+
+@frozen
+class Decision:
+    """What to do with one request now: go (to ``choice.order[0]``, which has room), or wait for
+    that replica in particular (``wait``)."""
+
+    choice: Choice
+    wait: bool = False
+
+
+def decide(
+    policy: str,
+    candidates: Sequence[Candidate],
+    *,
+    key: bytes | None = None,
+    salt: int = 0,
+    turn: int = 0,
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+) -> Decision | None:
+    """The admission queue's question for one request: where it goes now, or which replica it
+    waits for; None when it can do neither (no replica has room, and its policy waits for none).
+
+    Only the prefix policy waits for a replica. Its key's replica is the first on the ring
+    whose load — in flight and waiting — stays within the bound; when that one is full the
+    request waits for it rather than go where no cache holds its prompt, which would cost a
+    whole prefill (for a long prompt, more than waiting for a slot). The bound is what keeps
+    that wait short: past it, the key spills over to the next replica on the ring, waiting for
+    that one if it too is full. The others go wherever has room, or stay in the queue."""
+    if not candidates:
+        return None
+    if policy == PREFIX and key is not None:
+        preference = _preference(candidates, key)
+        bound = load_bound(candidates, load_factor)
+        target = next(c for c in preference if load(c) + 1 <= bound)  # one always is: see load_bound
+        return Decision(choice=_chosen_first(target, preference), wait=room(target) == 0)
+    if not has_room(candidates):
+        return None
+    return Decision(choice=order(policy, candidates, key=key, salt=salt, turn=turn, load_factor=load_factor))
 
 
 def _least_loaded(candidates: Sequence[Candidate], salt: int) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ import trio
 
 from llmgw.core.admission import Accepted, AdmissionQueue, Waiter
 from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation
-from llmgw.core.routing import PREFIX, Candidate, has_room, order, prefix_key
+from llmgw.core.routing import PREFIX, Candidate, Decision, decide, has_room, prefix_key
 from llmgw.gateway import GatewayError, RequestRecord, Upstream
 from llmgw.server.routing import Routes
 from llmgw.server.store import UsageRecord
@@ -94,6 +94,7 @@ class _Waiting:
     """A queued request, as the shell keeps it: what its choice needs, and how to wake it."""
 
     prefix: bytes | None
+    band: int
     woken: trio.Event = attrs.field(factory=trio.Event)
     choice: tuple[str, tuple[Upstream, ...]] | None = None  # (replica charged, upstreams)
 
@@ -105,6 +106,9 @@ class _Lane:
     queue: AdmissionQueue
     in_flight: dict[str, int] = attrs.field(factory=dict)  # per replica id, only those above 0
     waiting: dict[int, _Waiting] = attrs.field(factory=dict)
+    # Waiters taken from the queue to wait for one replica in particular (the prefix policy's
+    # affinity): waiter id → replica id, oldest first. They go before the queue when it frees.
+    parked: dict[int, str] = attrs.field(factory=dict)
     turn: int = 0  # the round-robin policy's counter
     last_busy: float = -math.inf  # when it last had a request in flight or waiting (trio time)
 
@@ -205,12 +209,27 @@ class ControlPlaneGate:
 
     def queue_depths(self) -> dict[str, dict[int, int]]:
         """Waiting requests per model and band, for the gateway's metrics and the scaler."""
-        return {model: lane.queue.depth_by_band() for model, lane in self._lanes.items()}
+        depths = {}
+        for model, lane in self._lanes.items():
+            bands = lane.queue.depth_by_band()
+            for waiter_id in lane.parked:
+                band = lane.waiting[waiter_id].band
+                bands[band] = bands.get(band, 0) + 1
+            depths[model] = bands
+        return depths
 
     def in_flight(self, model: str) -> dict[str, int]:
         """The model's requests in flight, per replica id (those with any)."""
         lane = self._lanes.get(model)
         return dict(lane.in_flight) if lane is not None else {}
+
+    def waiting_for(self, model: str) -> dict[str, int]:
+        """The model's requests waiting for one replica in particular, per replica id."""
+        lane = self._lanes.get(model)
+        counts: dict[str, int] = {}
+        for replica in lane.parked.values() if lane is not None else ():
+            counts[replica] = counts.get(replica, 0) + 1
+        return counts
 
     def idle_for(self, model: str) -> float:
         """Seconds the model has had nothing in flight and nothing waiting (0 while it has)."""
@@ -218,7 +237,7 @@ class ControlPlaneGate:
         now = trio.current_time()
         if self._started is None:
             self._started = now
-        if lane is not None and (lane.in_flight or lane.queue):
+        if lane is not None and (lane.in_flight or lane.queue or lane.parked):
             return 0.0
         return now - max(lane.last_busy if lane is not None else -math.inf, self._started)
 
@@ -237,12 +256,12 @@ class ControlPlaneGate:
         lane.last_busy = now
         routes = self._router.routes(model)
         prefix = _prefix(routes, payload)
-        if not lane.queue and routes is not None:
-            # Nobody waits: if a replica has room, the queue would hand this very request the
-            # slot. Taking it directly spares an event, a cancel scope and a queue round trip.
-            chosen = self._choose(model, lane, routes, prefix)
-            if chosen is not None:
-                return chosen
+        if not lane.queue and not lane.parked and routes is not None:
+            # Nobody waits: if the request may go now, the queue would hand it the slot at once.
+            # Going directly spares an event, a cancel scope and a queue round trip.
+            decision = self._decide(lane, routes, prefix)
+            if decision is not None and not decision.wait:
+                return self._go(model, lane, routes, decision)
         waiter = Waiter(
             id=next(self._ids),
             tenant=caller.tenant,
@@ -258,7 +277,7 @@ class ControlPlaneGate:
                 code="queue_full",
                 retry_after=pushed.retry_after,
             )
-        waiting = lane.waiting[waiter.id] = _Waiting(prefix=prefix)
+        waiting = lane.waiting[waiter.id] = _Waiting(prefix=prefix, band=caller.band)
         ready = routes is not None and bool(routes.replicas)
         if not ready and self._on_waiting is not None:
             self._on_waiting(model)
@@ -274,7 +293,10 @@ class ControlPlaneGate:
         finally:
             del lane.waiting[waiter.id]
             if waiting.choice is None:
-                lane.queue.cancel(waiter.id)  # the client left, or the deadline passed
+                # The client left, or the deadline passed: out of the queue, or of its replica's
+                # wait.
+                lane.queue.cancel(waiter.id)
+                lane.parked.pop(waiter.id, None)
             if self.observer is not None:
                 self.observer.on_queue_wait(model, trio.current_time() - now)
         if waiting.choice is None:
@@ -286,13 +308,25 @@ class ControlPlaneGate:
         return waiting.choice
 
     def _dispatch(self, model: str, now: float) -> None:
-        """Lets waiters through while a replica they may go to has room."""
+        """Lets waiters through while a replica they may go to has room: first those waiting
+        for one replica, oldest first, each decided again as loads are now; then the queue."""
         lane = self._lanes[model]
-        if not lane.queue:
+        if not lane.queue and not lane.parked:
             return
         routes = self._router.routes(model)
         if routes is None:
             return  # no profile serves it any more: the waiters' deadlines answer them
+        for waiter_id in list(lane.parked):
+            waiting = lane.waiting[waiter_id]
+            decision = self._decide(lane, routes, waiting.prefix, parked=waiter_id)
+            if decision is None:
+                continue  # no replica at all now: it keeps waiting where it was
+            if decision.wait:
+                lane.parked[waiter_id] = decision.choice.order[0]  # keeps its place in line
+            else:
+                del lane.parked[waiter_id]
+                waiting.choice = self._go(model, lane, routes, decision)
+                waiting.woken.set()
         while lane.queue:
             if not has_room(_candidates(routes, lane)):
                 return
@@ -300,25 +334,33 @@ class ControlPlaneGate:
             if popped.waiter is None:
                 return
             waiting = lane.waiting[popped.waiter.id]
-            waiting.choice = self._choose(model, lane, routes, waiting.prefix)
-            waiting.woken.set()
+            decision = self._decide(lane, routes, waiting.prefix)
+            if decision is None:  # cannot happen while a replica has room; kept waiting if so
+                lane.parked[popped.waiter.id] = ""
+            elif decision.wait:
+                lane.parked[popped.waiter.id] = decision.choice.order[0]
+            else:
+                waiting.choice = self._go(model, lane, routes, decision)
+                waiting.woken.set()
 
-    def _choose(
-        self, model: str, lane: _Lane, routes: Routes, prefix: bytes | None
-    ) -> tuple[str, tuple[Upstream, ...]] | None:
-        """The replica for one request, charged with its slot, and the upstreams in order; None
-        when no replica has room."""
-        candidates = _candidates(routes, lane)
-        if not has_room(candidates):
-            return None
-        choice = order(
+    def _decide(self, lane: _Lane, routes: Routes, prefix: bytes | None, parked: int | None = None):
+        """core.routing.decide for one request, with the lane's loads (``parked``: the waiter
+        being decided again, whose own wait is not counted)."""
+        return decide(
             routes.policy,
-            candidates,
+            _candidates(routes, lane, leaving=parked),
             key=prefix,
             salt=self._salt(),
             turn=lane.turn,
             load_factor=routes.load_factor,
         )
+
+    def _go(
+        self, model: str, lane: _Lane, routes: Routes, decision: Decision
+    ) -> tuple[str, tuple[Upstream, ...]]:
+        """Charges the chosen replica with the request's slot: the replica, and the upstreams in
+        the order to try them."""
+        choice = decision.choice
         lane.turn += 1
         first = choice.order[0]
         lane.in_flight[first] = lane.in_flight.get(first, 0) + 1
@@ -340,13 +382,18 @@ def _random_salt() -> int:
     return random.getrandbits(32)
 
 
-def _candidates(routes: Routes, lane: _Lane) -> list[Candidate]:
+def _candidates(routes: Routes, lane: _Lane, leaving: int | None = None) -> list[Candidate]:
     in_flight = lane.in_flight
+    queued: dict[str, int] = {}
+    for waiter_id, replica in lane.parked.items():
+        if waiter_id != leaving:
+            queued[replica] = queued.get(replica, 0) + 1
     return [
         Candidate(
             id=route.replica,
             slots=route.slots,
             in_flight=in_flight.get(route.replica, 0),
+            queued=queued.get(route.replica, 0),
             running=route.load.running if route.load is not None else None,
             waiting=route.load.waiting if route.load is not None else 0,
             saturation=route.load.saturation if route.load is not None else 0.0,
