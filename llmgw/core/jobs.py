@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
+from llmgw.core.inventory import Gpu
+from llmgw.core.reports import JobStatus, RunningJob
 from llmgw.core.training import ACTIVE_STATES, TERMINAL_STATES, FileDigest, JobState, TrainSpec
-from llmgw.wire.messages import Gpu, JobStatus, RunningJob
 
 frozen = attrs.frozen(kw_only=True)
 

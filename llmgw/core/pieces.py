@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from llmgw.core.reports import JobPiece
 from llmgw.core.training import FileDigest
-from llmgw.wire.messages import JobPiece
 
 # 512 KiB of data is ~700 KiB of base64: a twelfth of a message's limit.
 PIECE_BYTES = 512 * 1024

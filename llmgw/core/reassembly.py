@@ -17,8 +17,8 @@ import binascii
 import hashlib
 import re
 
+from llmgw.core.reports import JobPiece
 from llmgw.core.training import FileDigest
-from llmgw.wire.messages import JobPiece
 
 # A piece's data, decoded. Link messages are bounded at 8 MiB and base64 grows data by 4/3; a
 # quarter of the bound leaves room for that and bounds what one piece makes the server buffer.

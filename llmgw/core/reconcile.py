@@ -71,9 +71,9 @@ from llmgw.core.replica import (
     ReplicaState,
     state_of_shards,
 )
+from llmgw.core.reports import ShardState
 from llmgw.core.restart_policy import Decision, GiveUp, MoveElsewhere, RestartPolicy, decide
 from llmgw.core.shard import ShardSpec
-from llmgw.wire.messages import ShardState
 
 frozen = attrs.frozen(kw_only=True)
 

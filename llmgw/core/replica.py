@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from llmgw.wire.messages import Compute, ShardState
+from llmgw.core.reports import Compute, ShardState
 
 frozen = attrs.frozen(kw_only=True)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from llmgw.wire.messages import Gpu
+from llmgw.core.inventory import Gpu
 
 
 @attrs.frozen(kw_only=True)

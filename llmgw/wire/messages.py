@@ -12,133 +12,35 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.core.inventory import ForeignProcess, Gpu, IbPort, Inventory
+from llmgw.core.reports import (
+    Compute,
+    GpuUse,
+    JobPiece,
+    JobStatus,
+    RunningJob,
+    RunningShard,
+    ShardState,
+)
 from llmgw.core.shard import ShardSpec
 from llmgw.core.training import FileDigest, TrainSpec
 
+# Defined in the core, which decides on them; carried here as they are.
+__all__ = [
+    "Compute",
+    "ForeignProcess",
+    "Gpu",
+    "GpuUse",
+    "IbPort",
+    "Inventory",
+    "JobPiece",
+    "JobStatus",
+    "RunningJob",
+    "RunningShard",
+    "ShardState",
+]
+
 frozen = attrs.frozen(kw_only=True)
-
-
-# --- what a node is made of (the agent's discovery) -------------------------------------------
-
-
-@frozen
-class ForeignProcess:
-    """A process holding GPU memory that llmgw did not start."""
-
-    pid: int
-    name: str = ""
-    used_mib: int = 0
-
-
-@frozen
-class Gpu:
-    index: int
-    uuid: str
-    name: str
-    gpu_class: str  # e.g. "l40s-45g": product name + driver-reported memory rounded to GiB
-    memory_total_mib: int
-    memory_used_mib: int
-    compute_capability: str  # "8.9"
-    ecc_uncorrected: int = 0  # volatile uncorrected ECC errors; -1 when the GPU cannot say
-    foreign_processes: tuple[ForeignProcess, ...] = ()
-    # Health flags, empty when healthy: "ecc-uncorrected", "foreign-memory".
-    problems: tuple[str, ...] = ()
-
-    @property
-    def healthy(self) -> bool:
-        return not self.problems
-
-    @property
-    def memory_free_mib(self) -> int:
-        return max(0, self.memory_total_mib - self.memory_used_mib)
-
-
-@frozen
-class IbPort:
-    """One port of an InfiniBand/RoCE adapter, from /sys/class/infiniband."""
-
-    device: str  # "mlx5_0"
-    port: int
-    state: str  # "ACTIVE", "DOWN", ...
-    rate_gbps: float
-    link_layer: str  # "InfiniBand" or "Ethernet" (RoCE)
-    # RoCE only: the GID table entry that is RoCE v2 and holds an IPv4 address (NCCL_IB_GID_INDEX).
-    roce_v2_gid_index: int | None = None
-    # GID 0's subnet prefix (IB) or the IPv4 of the RoCE v2 GID: what ties ports into one fabric.
-    subnet: str = ""
-
-    @property
-    def is_roce(self) -> bool:
-        return self.link_layer == "Ethernet"
-
-
-@frozen
-class Inventory:
-    hostname: str
-    cpu_count: int
-    memory_total_mib: int
-    memory_available_mib: int
-    gpus: tuple[Gpu, ...] = ()
-    ib_ports: tuple[IbPort, ...] = ()
-    # The island this node's multi-node placements may span; "" = a single-node island.
-    fabric: str = ""
-    # The interface holding the address this agent uses to reach the server (NCCL/GLOO socket ifname).
-    mgmt_interface: str = ""
-    mgmt_address: str = ""
-    # Why the node has no GPUs listed, when NVML could not be used ("" when it could).
-    gpu_note: str = ""
-    # The GPUs and RDMA ports come from a file (agent.yaml's discovery.simulate), not the hardware.
-    simulated: bool = False
-
-
-class ShardState:
-    """A shard's life on its node, as the agent reports it."""
-
-    STARTING = "Starting"  # processes launched, the engine does not answer /health yet
-    LOADING = "Loading"  # /health answers, the model is not served yet (/v1/models)
-    READY = "Ready"  # serving
-    DRAINING = "Draining"  # waiting for in-flight requests before stopping
-    STOPPED = "Stopped"  # stopped on request
-    FAILED = "Failed"  # exited or refused to start; see reason and log tail
-
-
-@frozen
-class GpuUse:
-    """GPU memory held by a shard's processes on one card (NVML per-process accounting)."""
-
-    index: int
-    uuid: str
-    used_mib: int
-
-
-@frozen
-class Compute:
-    """What a shard computes on: GPUs and memory, or the CPU when it holds none."""
-
-    gpus: tuple[GpuUse, ...] = ()
-
-    @property
-    def on_cpu(self) -> bool:
-        return not self.gpus
-
-
-@frozen
-class RunningShard:
-    """A shard the agent runs, as listed in every Register."""
-
-    spec: ShardSpec
-    state: str  # a ShardState value
-    pid: int = 0  # the engine's (the last command's) pid
-    compute: Compute | None = None  # None until known
-    adopted: bool = False  # started by an earlier agent process
-
-
-@frozen
-class RunningJob:
-    """A training job the agent runs, as listed in every Register."""
-
-    job_id: str
-    state: str  # a JobState value
 
 
 # --- link messages ------------------------------------------------------------------------------
@@ -262,39 +164,6 @@ class CancelJob:
     trace: dict[str, str] = attrs.field(factory=dict)
     job_id: str
     grace: float = 10.0
-
-
-@frozen
-class JobStatus:
-    """A job moved on: a new state, or progress inside Training. Sent by the agent as it happens.
-
-    Progress is sent at most a few times a second, so a fast tiny model does not flood the link.
-    """
-
-    job_id: str
-    state: str  # a JobState value
-    step: int = 0
-    total_steps: int = 0
-    loss: float | None = None
-    # Peak memory of the card the child trains on, or the child's peak RSS on a CPU node.
-    peak_mib: int = 0
-    device: str = ""  # "cuda:0 (GPU 0)" or "cpu"
-    reason: str = ""  # why, for Failed and Cancelled
-    log_tail: tuple[str, ...] = ()  # the child's last lines, on failure
-    # With state Uploading: the files that follow as JobPiece messages, in this order.
-    files: tuple[FileDigest, ...] = ()
-
-
-@frozen
-class JobPiece:
-    """One piece of one output file. Pieces of a file arrive in order, index 0..count-1."""
-
-    job_id: str
-    file: str  # FileDigest.name
-    index: int
-    count: int
-    data: str  # base64 of at most PIECE_BYTES bytes
-    sha256: str  # hex digest of this piece's bytes
 
 
 @frozen
