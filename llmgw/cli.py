@@ -141,9 +141,9 @@ def _cmd_inventory(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from llmgw.agent.discovery import discover
-    from llmgw.agent.render import inventory_json, render_inventory
     from llmgw.agent.run import AgentSetupError, check_simulation, node_name
     from llmgw.config import ConfigError, load_agent_config
+    from llmgw.ctl.inventory import inventory_json, render_inventory
 
     try:
         config = load_agent_config(args.config)

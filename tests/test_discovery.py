@@ -12,7 +12,7 @@ from rich.console import Console
 from llmgw.agent.discovery import discover, host
 from llmgw.agent.discovery.infiniband import fabric_name, read_ib_ports
 from llmgw.agent.discovery.nvml import read_gpus
-from llmgw.agent.render import inventory_json, render_inventory
+from llmgw.ctl.inventory import inventory_json, render_inventory
 from llmgw.wire.codec import converter
 from llmgw.wire.messages import ForeignProcess, IbPort, Inventory
 

@@ -18,7 +18,7 @@ from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.infiniband import read_ib_ports
 from llmgw.agent.discovery.nvml import MIB, gpu_memory_by_pid, read_gpus
 from llmgw.agent.discovery.simulated import NvmlOff, read_simulated, simulated_gpus, simulated_uuid
-from llmgw.agent.render import render_inventory
+from llmgw.ctl.inventory import render_inventory
 from llmgw.cli import main
 from llmgw.config import ConfigError, load_simulated_node, parse_simulated_node
 from llmgw.wire.codec import converter, decode, encode

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmgw.agent.render import render_inventory
+from llmgw.ctl.inventory import render_inventory
 from llmgw.wire.codec import converter
 from llmgw.wire.messages import Inventory
 

@@ -1,4 +1,8 @@
-"""``llmgw agent inventory``: what the scheduler would see on this node, for people and for jq."""
+"""A node's inventory, for people and for jq: ``llmgw agent inventory`` and ``ctl node show``.
+
+Here rather than in the agent because it is presentation (rich), which both the operator's tool
+and the agent's own subcommand show; the agent itself never renders.
+"""
 
 from __future__ import annotations
 
