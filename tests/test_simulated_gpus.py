@@ -18,9 +18,9 @@ from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.infiniband import read_ib_ports
 from llmgw.agent.discovery.nvml import MIB, gpu_memory_by_pid, read_gpus
 from llmgw.agent.discovery.simulated import NvmlOff, read_simulated, simulated_gpus, simulated_uuid
-from llmgw.ctl.inventory import render_inventory
 from llmgw.cli import main
 from llmgw.config import ConfigError, load_simulated_node, parse_simulated_node
+from llmgw.ctl.inventory import render_inventory
 from llmgw.wire.codec import converter, decode, encode
 from llmgw.wire.messages import Heartbeat, Inventory
 from tests.test_discovery import fake_nvml, write_proc
