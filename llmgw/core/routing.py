@@ -194,6 +194,15 @@ def decide(
     that one if it too is full. The others go wherever has room, or stay in the queue."""
     if not candidates:
         return None
+    if len(candidates) == 1:
+        # One replica (the common case): nothing to rank, and the ring would say the same.
+        only = candidates[0]
+        if policy == PREFIX and key is not None:
+            return Decision(choice=Choice(order=(only.id,), outcome=AFFINITY), wait=room(only) == 0)
+        if room(only) == 0:
+            return None
+        outcome = NO_KEY if policy == PREFIX else policy
+        return Decision(choice=Choice(order=(only.id,), outcome=outcome))
     if policy == PREFIX and key is not None:
         preference = _preference(candidates, key)
         bound = load_bound(candidates, load_factor)

@@ -366,6 +366,8 @@ class ControlPlaneGate:
         lane.in_flight[first] = lane.in_flight.get(first, 0) + 1
         if self.observer is not None:
             self.observer.on_route(model, routes.policy, choice.outcome)
+        if len(routes.replicas) == 1:
+            return first, (routes.replicas[0].upstream,)
         by_id = {route.replica: route.upstream for route in routes.replicas}
         return first, tuple(by_id[rid] for rid in choice.order)
 

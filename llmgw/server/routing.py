@@ -145,8 +145,15 @@ class FixedRoutes:
     table: Mapping[str, Sequence[Upstream]]
     slots: int = DEFAULT_SLOTS
     policy: str = DEFAULT_POLICY
+    _built: dict[str, Routes | None] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def routes(self, model: str) -> Routes | None:
+        # Built once per model, as ReplicaRouter keeps its own: a request only reads them.
+        if model not in self._built:
+            self._built[model] = self._build(model)
+        return self._built[model]
+
+    def _build(self, model: str) -> Routes | None:
         upstreams = self.table.get(model)
         if upstreams is None:
             return None
