@@ -160,8 +160,9 @@ class Server:
         return {node["name"]: node for node in json.loads(result.stdout)["nodes"]}
 
 
-def start_agent(tmp: Path, server: Server, name: str, **extra: object) -> Proc:
-    config = write_yaml(
+def agent_config(tmp: Path, server: Server, name: str, **extra: object) -> Path:
+    """agent-NAME.yaml for an agent of ``server`` (``extra``: more top-level sections)."""
+    return write_yaml(
         tmp / f"agent-{name}.yaml",
         {
             "node_name": name,
@@ -174,6 +175,10 @@ def start_agent(tmp: Path, server: Server, name: str, **extra: object) -> Proc:
             **extra,
         },
     )
+
+
+def start_agent(tmp: Path, server: Server, name: str, **extra: object) -> Proc:
+    config = agent_config(tmp, server, name, **extra)
     return Proc([*llmgw_command(), "agent", "--config", str(config)], tmp / f"agent-{name}.log")
 
 

@@ -507,3 +507,23 @@ async def test_a_kept_alive_connection_to_an_engine_that_died_moves_on_to_the_ne
     _, connection = await relay._send([doomed, live], "/v1/chat/completions", body, record)
     assert record.upstream == live and connection.status == 200
     await connection.aclose()
+
+
+async def test_an_engine_that_drops_a_request_unanswered_is_passed_over_for_the_next(nursery):
+    """An engine that takes the connection and hangs up without a byte of answer (dying, or
+    just started in a killed one's place) served nothing: the next upstream gets the request.
+    With no next one, it is a 502."""
+
+    async def hang_up(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.aclose()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, hang_up, 0, host="127.0.0.1"))
+    dropping = Upstream("127.0.0.1", listeners[0].socket.getsockname()[1], ENGINE_KEY)
+    live_engine = FakeEngine()
+    live = await live_engine.start(nursery)
+    gateway = await Gateway().start(nursery, {"m": [dropping, live], "alone": [dropping]})
+    assert await gateway.call("POST", "/v1/chat/completions", chat()) == (200, ANSWER)
+    assert (await gateway.record()).upstream == live and len(live_engine.seen) == 1
+    status, body = await gateway.call("POST", "/v1/chat/completions", chat(model="alone"))
+    assert (status, body["error"]["code"]) == (502, "upstream_failed")

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import DEADLINE, Proc, Server, kill_recorded_shards, llmgw_command, wait_until, write_yaml
+from tests.procs import (
+    DEADLINE,
+    Proc,
+    Server,
+    agent_config,
+    kill_recorded_shards,
+    llmgw_command,
+    wait_until,
+)
 from tests.test_replicas_processes import fake_llama_server, replicas
 
 pytestmark = pytest.mark.slow
@@ -32,21 +40,8 @@ def poisoned_env(tmp: Path) -> tuple[dict[str, str], Path]:
     return {"PYTHONPATH": path}, marker
 
 
-def agent_config(tmp: Path, server: Server, name: str, simulate: Path, **extra: object) -> Path:
-    return write_yaml(
-        tmp / f"agent-{name}.yaml",
-        {
-            "node_name": name,
-            "work_dir": str(tmp / f"agent-{name}"),
-            "server": {
-                "address": server.endpoints["link"],
-                "join_token_file": str(server.data_dir / "join-token"),
-            },
-            "reconnect": {"initial_delay": "50ms", "max_delay": "500ms"},
-            "discovery": {"simulate": str(simulate)},
-            **extra,
-        },
-    )
+def simulated_agent_config(tmp: Path, server: Server, name: str, simulate: Path, **extra: object) -> Path:
+    return agent_config(tmp, server, name, discovery={"simulate": str(simulate)}, **extra)
 
 
 def engine_ports() -> dict[str, int]:
@@ -74,7 +69,7 @@ def test_two_simulated_nodes_register_and_take_a_gpu_profile(tmp_path: Path) -> 
                 *llmgw_command(),
                 "agent",
                 "--config",
-                str(agent_config(tmp_path, server, name, path, engines=engines)),
+                str(simulated_agent_config(tmp_path, server, name, path, engines=engines)),
             ],
             tmp_path / f"agent-{name}.log",
             env=env,
@@ -159,7 +154,7 @@ def test_an_agent_with_a_bad_simulation_file_exits_with_status_2(tmp_path: Path)
             'gpus:\n  - {name: "NVIDIA L40S", memory_mib: 46068, compute_capability: "8.9"}\n'
             '  - {name: "NVIDIA L40S", memory_mib: lots, compute_capability: "8.9"}\n'
         )
-        config = agent_config(tmp_path, server, "bad", bad)
+        config = simulated_agent_config(tmp_path, server, "bad", bad)
         result = subprocess.run(
             [*llmgw_command(), "agent", "--config", str(config)],
             capture_output=True,

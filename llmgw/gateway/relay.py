@@ -8,9 +8,10 @@ end; streams are passed on event by event (see :mod:`llmgw.gateway.usage`), by t
 Where to: the gate's ticket carries the upstreams in the order chosen for the request (see
 :mod:`llmgw.core.routing`); without a gate, the router's order. The relay never reorders them.
 
-Retries: only a failed connect is retried, on the next upstream in that order. Once a request was
-written to a socket the engine may have started on it, and running it twice would bill the tokens
-twice.
+Retries, on the next upstream in that order: a failed connect, and a connection the engine
+dropped before a byte of answer (an engine dying, or one just started in a killed one's place):
+neither served anything. Once an answer has begun, the request is never sent again — the engine
+has worked on it, and running it twice would bill the tokens twice.
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ _UPSTREAM_FAILURES = (trio.BrokenResourceError, EngineFailed, OSError)
 MAX_CACHED_HEADS = 1024
 
 
-class _StaleConnection(Exception):
-    """A reused connection that the engine had closed: nothing of the request was answered."""
+class _NoAnswer(Exception):
+    """The engine dropped the connection without a byte of answer to this request; ``reused``:
+    on a kept-alive connection, which it may simply have closed before the request came."""
+
+    def __init__(self, error: BaseException, reused: bool) -> None:
+        super().__init__(repr(error))
+        self.error = error
+        self.reused = reused
 
 
 class RelayAborted(Exception):
@@ -158,9 +165,10 @@ class Relay:
     async def _send(
         self, upstreams: Sequence[Upstream], path: str, body: bytes, record: RequestRecord
     ) -> tuple[UpstreamPool, EngineConnection]:
-        """Sends the request to the first upstream that takes a connection, and reads the
-        answer's head. A failed connect moves on to the next: nothing reached that engine."""
-        failure: OSError | None = None
+        """Sends the request to the first upstream that takes it, and reads the answer's head.
+        A failed connect, or a connection dropped before a byte of answer, moves on to the next:
+        that engine served nothing."""
+        failure: BaseException | None = None
         for upstream in upstreams:
             key = (upstream.host, upstream.port)
             pool = self.pools.get(key)
@@ -172,7 +180,9 @@ class Relay:
                 record.upstream = upstream
                 try:
                     await _exchange(connection, request)
-                except _StaleConnection:
+                except _NoAnswer as dropped:
+                    if not dropped.reused:
+                        raise
                     # The engine closed this kept-alive connection as we reused it (llama.cpp
                     # does after a stream): it never read the request, so a fresh one may carry
                     # it — unless the engine is gone, and then the connect fails like any other.
@@ -180,11 +190,20 @@ class Relay:
                     await _exchange(connection, request)
             except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
                 log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
-                record.upstream = None
                 failure = error
-                continue
-            return pool, connection
-        raise GatewayError(502, f"Cannot reach the engine: {failure}", code="upstream_unreachable")
+            except _NoAnswer as dropped:
+                # A fresh connection dropped without a byte of answer: an engine dying (or one
+                # just started in its place) that served nothing, so the next may serve it.
+                log.warning(
+                    "%s:%d dropped a request unanswered: %r", upstream.host, upstream.port, dropped.error
+                )
+                failure = dropped.error
+            else:
+                return pool, connection
+            record.upstream = None
+        if isinstance(failure, OSError):
+            raise GatewayError(502, f"Cannot reach the engine: {failure}", code="upstream_unreachable")
+        raise GatewayError(502, f"The engine failed: {failure!r}", code="upstream_failed")
 
     async def _relay_body(
         self,
@@ -303,11 +322,9 @@ async def _exchange(connection: EngineConnection, request: bytes) -> None:
         await connection.read_head()
     except BaseException as error:
         await connection.aclose()
-        # A kept-alive connection the engine closed without a byte of answer: it had closed it
-        # before reading this request.
         failed = isinstance(error, _UPSTREAM_FAILURES)
-        if failed and connection.reused and connection.received == received_before:
-            raise _StaleConnection() from error
+        if failed and connection.received == received_before:
+            raise _NoAnswer(error, connection.reused) from error
         if failed:
             raise GatewayError(502, f"The engine failed: {error!r}", code="upstream_failed") from error
         raise
