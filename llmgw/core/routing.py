@@ -111,8 +111,11 @@ def order(
     turn: int = 0,
     load_factor: float = DEFAULT_LOAD_FACTOR,
 ) -> Choice:
-    """The candidates best first, for one request. Replicas with room come before those
-    without; the first has room whenever :func:`has_room` says some has.
+    """The candidates best first, for one request. With least-loaded and round-robin, replicas
+    with room come before those without, so the first has room whenever :func:`has_room` says
+    some has; with prefix, the key's replica within the load bound comes first, room or not
+    (:func:`decide` says whether the request waits for it), and the others follow, those with
+    room first.
 
     ``key``: the request's :func:`prefix_key` (prefix policy); ``salt``: random bits for the
     least-loaded tie-break; ``turn``: the round-robin counter. Raises ValueError for an unknown
@@ -145,12 +148,12 @@ def load_bound(candidates: Sequence[Candidate], load_factor: float) -> int:
 
 
 def _bounded_hash(candidates: Sequence[Candidate], key: bytes, load_factor: float) -> Choice:
+    """CHWBL: the first replica on the key's ring walk whose load, with this request, stays
+    within the bound — room or not (decide says whether to wait for it); the rest after it."""
     preference = _preference(candidates, key)
     bound = load_bound(candidates, load_factor)
-    chosen = next((c for c in preference if room(c) > 0 and load(c) + 1 <= bound), None)
-    if chosen is None:  # every replica with room is over the bound: the least loaded of those
-        chosen = next((c for c in preference if room(c) > 0), preference[0])
-    return _chosen_first(chosen, preference)
+    target = next(c for c in preference if load(c) + 1 <= bound)  # one always is: see load_bound
+    return _chosen_first(target, preference)
 
 
 def _preference(candidates: Sequence[Candidate], key: bytes) -> list[Candidate]:
@@ -204,10 +207,9 @@ def decide(
         outcome = NO_KEY if policy == PREFIX else policy
         return Decision(choice=Choice(order=(only.id,), outcome=outcome))
     if policy == PREFIX and key is not None:
-        preference = _preference(candidates, key)
-        bound = load_bound(candidates, load_factor)
-        target = next(c for c in preference if load(c) + 1 <= bound)  # one always is: see load_bound
-        return Decision(choice=_chosen_first(target, preference), wait=room(target) == 0)
+        choice = _bounded_hash(candidates, key, load_factor)
+        target = next(c for c in candidates if c.id == choice.order[0])
+        return Decision(choice=choice, wait=room(target) == 0)
     if not has_room(candidates):
         return None
     return Decision(choice=order(policy, candidates, key=key, salt=salt, turn=turn, load_factor=load_factor))

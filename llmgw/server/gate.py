@@ -328,13 +328,14 @@ class ControlPlaneGate:
                 waiting.choice = self._go(model, lane, routes, decision)
                 waiting.woken.set()
         while lane.queue:
-            if not has_room(_candidates(routes, lane)):
+            candidates = _candidates(routes, lane)
+            if not has_room(candidates):
                 return
             popped = lane.queue.pop(now)
             if popped.waiter is None:
                 return
             waiting = lane.waiting[popped.waiter.id]
-            decision = self._decide(lane, routes, waiting.prefix)
+            decision = self._decide(lane, routes, waiting.prefix, candidates=candidates)
             if decision is None:  # cannot happen while a replica has room; kept waiting if so
                 lane.parked[popped.waiter.id] = ""
             elif decision.wait:
@@ -343,12 +344,19 @@ class ControlPlaneGate:
                 waiting.choice = self._go(model, lane, routes, decision)
                 waiting.woken.set()
 
-    def _decide(self, lane: _Lane, routes: Routes, prefix: bytes | None, parked: int | None = None):
+    def _decide(
+        self,
+        lane: _Lane,
+        routes: Routes,
+        prefix: bytes | None,
+        parked: int | None = None,
+        candidates: list[Candidate] | None = None,
+    ) -> Decision | None:
         """core.routing.decide for one request, with the lane's loads (``parked``: the waiter
-        being decided again, whose own wait is not counted)."""
+        being decided again, whose own wait is not counted; ``candidates``: already built)."""
         return decide(
             routes.policy,
-            _candidates(routes, lane, leaving=parked),
+            candidates if candidates is not None else _candidates(routes, lane, leaving=parked),
             key=prefix,
             salt=self._salt(),
             turn=lane.turn,

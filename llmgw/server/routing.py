@@ -3,7 +3,7 @@
 A model is served when some catalog profile serves it; its replicas that are Ready, at rank 0's
 node address and port, are where its requests may go. This module only gathers them — each
 with its engine key, its slots and its engine's last scraped load — into a :class:`Routes`; the
-order a request tries them in is the gate's to ask of :func:`llmgw.core.routing.order`, since
+order a request tries them in is the gate's to ask of :func:`llmgw.core.routing.decide`, since
 the gate holds the in-flight count per replica that the choice depends on.
 
 A model's routes are built once and kept until :meth:`ReplicaRouter.refresh` (after each
