@@ -35,7 +35,15 @@ from llmgw.core.reconcile import (
     StopReplica,
     reconcile,
 )
-from llmgw.core.replica import COUNTED, RUNNING, Replica, ReplicaShard, ReplicaState, state_of_shards
+from llmgw.core.replica import (
+    COUNTED,
+    LIFECYCLE,
+    RUNNING,
+    Replica,
+    ReplicaShard,
+    ReplicaState,
+    state_of_shards,
+)
 from llmgw.core.restart_policy import GiveUp, RestartPolicy, decide, restart_delay
 from llmgw.wire.messages import ShardState
 
@@ -1012,6 +1020,11 @@ class Fleet(RuleBasedStateMachine):
         }
         starting = {a.replica_id for a in plan.actions if isinstance(a, StartReplica | RestartReplica)}
         assert not ending & starting, "the same pass stops and starts a replica"
+        # Every record kept made a move its lifecycle allows (the reconciler's moves raise on an
+        # illegal one; this also catches a record rebuilt by hand in the wrong state).
+        for r in plan.replicas:
+            if r.id in before:
+                assert LIFECYCLE.allows(before[r.id].state, r.state), (r.id, before[r.id].state, r.state)
         for action in plan.actions:
             if isinstance(action, RestartReplica):
                 old = before[action.replica_id]

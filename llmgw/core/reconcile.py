@@ -65,6 +65,7 @@ from llmgw.core.placement import (
 from llmgw.core.replica import (
     COUNTED,
     ENDED_SHARD_STATES,
+    LIFECYCLE,
     RUNNING,
     Replica,
     ReplicaShard,
@@ -363,15 +364,15 @@ class _Pass:
         profile = self.profiles.get(record.profile)
         return profile if profile is not None and profile.model in self.models else None
 
-    def _end(self, record: Replica, state: str, reason: str, **changes: object) -> tuple[ShardRef, ...]:
+    def _end(self, record: Replica, state: ReplicaState, reason: str, **changes: object) -> tuple[ShardRef, ...]:
         """Moves ``record`` to Draining or Stopped, keeping its running shards; those go in the action.
 
         A record left with nothing running is removed at once.
         """
         running = self._running(record)
         if running:
-            self.records[record.id] = attrs.evolve(
-                record, state=state, since=self.now, shards=running, reason=reason, **changes
+            self.records[record.id] = LIFECYCLE.move(
+                record, state, since=self.now, shards=running, reason=reason, **changes
             )
         else:
             del self.records[record.id]
@@ -401,9 +402,9 @@ class _Pass:
             where = " on other nodes" if isinstance(decision, MoveElsewhere) else ""
             next_step = f"starts again{where} in {decision.delay:.3g} s (failure {failures})"
             restart_at = decision.at
-        failed = attrs.evolve(
+        failed = LIFECYCLE.move(
             record,
-            state=ReplicaState.FAILED,
+            ReplicaState.FAILED,
             since=self.now,
             failures=failures,
             last_failure=self.now,
@@ -465,7 +466,7 @@ class _Pass:
             self.replacing[record.profile].append(f"replaces {record.id}: {reason}")
         else:
             if observed != record.state:
-                record = attrs.evolve(record, state=observed, since=self.now)
+                record = LIFECYCLE.move(record, observed, since=self.now)
             proven = self.now - record.since >= self.config.restart.reset_after
             if observed == ReplicaState.READY and record.failures and proven:
                 record = attrs.evolve(record, failures=0, last_failure=None, failed_nodes=(), reason="")
@@ -684,9 +685,9 @@ class _Pass:
         was_pending = record.state == ReplicaState.PENDING
         if was_pending and reason == record.reason:
             return  # said once: a replica pending for an hour is not a line in every pass's log
-        self.records[record.id] = attrs.evolve(
+        self.records[record.id] = LIFECYCLE.move(
             record,
-            state=ReplicaState.PENDING,
+            ReplicaState.PENDING,
             since=record.since if was_pending else self.now,
             shards=(),
             reason=reason,
@@ -754,10 +755,10 @@ class _Pass:
             )
             for p, spec in zip(placement.shards, specs, strict=True)
         )
-        self.records[record.id] = attrs.evolve(
+        self.records[record.id] = LIFECYCLE.move(
             record,
+            ReplicaState.STARTING,
             model=profile.model,  # the profile's model, should the catalog have changed it
-            state=ReplicaState.STARTING,
             since=self.now,
             started=self.now,
             shards=shards,

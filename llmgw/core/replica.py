@@ -15,21 +15,26 @@ reconciler reads and writes (see :mod:`llmgw.core.reconcile`) and the shell stor
                                      or a shard stopped without being asked
     Draining, Stopped   → removed    once every shard is gone
 
+:data:`LIFECYCLE` is that table as code: the reconciler moves a record only through it, so a move
+not drawn above raises where it is made.
+
 Every type here is frozen attrs over plain values, so cattrs stores them without hooks.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
 import attrs
 
 from llmgw.core.reports import Compute, ShardState
+from llmgw.core.states import Lifecycle
 
 frozen = attrs.frozen(kw_only=True)
 
 
-class ReplicaState:
+class ReplicaState(enum.StrEnum):
     PENDING = "Pending"  # wanted, not placed: no node can take it (reason says why, per node)
     STARTING = "Starting"  # shards sent; some engine does not answer /health yet
     LOADING = "Loading"  # every engine answers, some have not loaded the model yet
@@ -37,6 +42,25 @@ class ReplicaState:
     DRAINING = "Draining"  # no new requests; stops once in-flight ones finish or its deadline passes
     STOPPED = "Stopped"  # told to stop; the record goes once its shards are gone
     FAILED = "Failed"  # a shard failed; restarts after a backoff, unless given up
+
+
+_ENDING = (ReplicaState.DRAINING, ReplicaState.STOPPED)
+LIFECYCLE = Lifecycle.of(
+    "replica",
+    ReplicaState,
+    {
+        ReplicaState.PENDING: {ReplicaState.STARTING},
+        # Following its shards, a running replica may go back as well as forward: a shard whose
+        # agent restarted reports Starting again before it is adopted as Ready.
+        ReplicaState.STARTING: {ReplicaState.LOADING, ReplicaState.READY, ReplicaState.FAILED, *_ENDING},
+        ReplicaState.LOADING: {ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED, *_ENDING},
+        ReplicaState.READY: {ReplicaState.STARTING, ReplicaState.LOADING, ReplicaState.FAILED, *_ENDING},
+        # Restarted (in place or moved), or back to Pending when no place is free for it.
+        ReplicaState.FAILED: {ReplicaState.STARTING, ReplicaState.PENDING, *_ENDING},
+        ReplicaState.DRAINING: {ReplicaState.STOPPED},
+        ReplicaState.STOPPED: set(),
+    },
+)
 
 
 # The states a replica counts towards its profile's wanted number in. Draining and Stopped ones
@@ -75,7 +99,7 @@ class Replica:
     id: str
     profile: str
     model: str
-    state: str  # a ReplicaState value
+    state: ReplicaState  # changed only through LIFECYCLE
     shards: tuple[ReplicaShard, ...] = ()  # rank 0 first; empty while Pending or once given up
     since: float  # when it entered ``state``
     created: float
@@ -111,7 +135,7 @@ _AS_REPLICA_STATE = {
 }
 
 
-def state_of_shards(states: Iterable[str]) -> str:
+def state_of_shards(states: Iterable[str]) -> ReplicaState:
     """The state a replica's shards add up to: Ready only when every one of them is."""
     present = set(states)
     if not present:
