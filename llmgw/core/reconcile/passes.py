@@ -1,67 +1,32 @@
-"""The reconciler: the replicas wanted against what runs → actions, each with its reason.
-
-One pass is a pure function of the catalog, the replica records, a view of the fleet, the count
-each profile wants (from :mod:`llmgw.core.scaling`) and the time. It returns a :class:`Plan`: the
-actions for the shell to carry out and log, and every replica record as it should be stored
-afterwards. A pass runs in this order, so that repairs free what they free before anything is
-counted, and the most important replicas choose first:
-
-1. observe  — Starting/Loading/Ready follow their shards; a failed shard fails its replica, and
-              a replica Ready for ``reset_after`` has its failures forgotten.
-2. repair   — reap replicas with a shard on a lost node, evict those on a GPU that turned unhealthy,
-              fail those not Ready within their startup timeout, drain those whose profile left
-              the catalog, stop those still draining past their deadline.
-3. orphans  — stop what agents run that no record lists.
-4. scale    — drain (or drop, while Pending) the newest replicas above the wanted count; add
-              Pending records below it. The wanted count is clamped to the profile's min and max.
-5. place    — Pending replicas and due restarts, highest band first, then oldest: each placement is
-              applied to the view before the next, so one pass never gives a GPU twice. A replica
-              that fits nowhere tells why for every node, and may preempt lower bands.
-
-The view of the fleet (``cluster``) is the fleet as discovered, before any replica: online flags,
-GPUs with their health and the memory that processes llmgw did not start leave, host memory and
-cores offered to shards, ports taken by other programs. The reconciler takes out what its own
-replicas hold (every shard of a live or restartable replica, and the still-running shards of one
-that drains or stops) and what orphan shards hold. A view that already marks a replica's GPUs as
-allocated does no harm; one that already subtracts a CPU shard's memory counts it twice.
-
-What stops also frees nothing within its own pass: a stopping shard holds its GPUs until the agent
-reports it gone, so that a replacement never starts on a card an engine still holds.
-
-The shell's part, around each pass:
-
-- Keep each record's shard states as the agents report them (ShardStatus; Register). A shard
-  whose StopShard or DrainShard is answered (stopped, or not running) is Stopped. A record's shard
-  that a re-registering agent no longer lists is Failed ("not running after the agent restarted"),
-  and so is one whose StartShard is refused, with the refusal as its reason.
-- Pass every shard the agents list as ``reported``; build ``cluster`` as described above.
-- Store ``Plan.replicas`` as the new set of records, then carry out the actions in order: StartShard
-  per spec (with the replica's engine key) for starts and restarts; StopShard, or DrainShard for a
-  drain, for each of an ending action's ``shards``; log every action's reason. StopOrphan repeats
-  while the agent lists the shard: a stop already on its way need not be sent again. A command is
-  not retried by a later pass: the link delivers it, or the node is lost and its shards with it.
-- Make replica ids (``new_id``) that never repeat, e.g. random ones: an id names the engine key.
-"""
+"""One reconcile pass: observe, repair, orphans, scale, place — in that order (see the package)."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple
 
 import attrs
 
 from llmgw.core.catalog import Model, Profile
-from llmgw.core.placement import (
-    ClusterView,
-    NodeView,
-    Placement,
-    ShardPlacement,
-    Unplaceable,
-    apply,
-    place,
-    to_shard_specs,
+from llmgw.core.placement import ClusterView, Placement, ShardPlacement, Unplaceable, to_shard_specs
+from llmgw.core.reconcile import preemption
+from llmgw.core.reconcile.actions import (
+    Action,
+    DrainReplica,
+    Evict,
+    MarkFailed,
+    MarkPending,
+    Plan,
+    Preempt,
+    Reap,
+    RestartReplica,
+    ShardRef,
+    StartReplica,
+    StopOrphan,
+    StopReplica,
 )
+from llmgw.core.reconcile.holds import Ledger
+from llmgw.core.reconcile.inputs import ReconcileConfig, ReportedShard
 from llmgw.core.replica import (
     COUNTED,
     ENDED_SHARD_STATES,
@@ -73,16 +38,8 @@ from llmgw.core.replica import (
     state_of_shards,
 )
 from llmgw.core.reports import ShardState
-from llmgw.core.restart_policy import Decision, GiveUp, MoveElsewhere, RestartPolicy, decide
+from llmgw.core.restart_policy import Decision, GiveUp, MoveElsewhere, decide
 from llmgw.core.shard import ShardSpec
-
-frozen = attrs.frozen(kw_only=True)
-
-# Preemption searches one pass makes. Each may try every node of the fleet for the cheapest
-# replicas to take (some 50 ms on 1,000 nodes and 5,000 replicas); more would hold the server's
-# event loop too long. The other blocked replicas get theirs on the next pass, which costs little:
-# what is preempted takes seconds to stop anyway.
-PREEMPTION_SEARCHES_PER_PASS = 3
 
 # Which replicas a scale-down takes first: those that serve nothing yet, then the newest.
 _SCALE_DOWN_ORDER = {
@@ -94,202 +51,6 @@ _SCALE_DOWN_ORDER = {
 }
 
 
-# --- inputs ----------------------------------------------------------------------------------------
-
-
-@frozen
-class ReportedShard:
-    """A shard an agent says it runs (its Register, then ShardStatus), as the reconciler needs it."""
-
-    node: str
-    shard_id: str
-    replica_id: str
-    model: str
-    gpu_indices: tuple[int, ...] = ()
-    port: int
-    rendezvous_port: int = 0
-
-
-@frozen
-class ReconcileConfig:
-    port_range: tuple[int, int] = (20000, 29999)  # engines' and rendezvous ports on every node
-    drain_timeout: float = 60.0  # a draining replica is stopped this long after, requests or not
-    restart: RestartPolicy = RestartPolicy()
-
-
-# --- actions ---------------------------------------------------------------------------------------
-# Every action carries what the shell needs to carry it out without looking anything up, and a
-# reason to log. Those that end shards list them in ``shards``: the ones still running on a
-# reachable node (a lost node's shards are gone as far as anyone can tell; if the node comes back,
-# its agent reports them and they are stopped as orphans).
-
-
-@frozen
-class ShardRef:
-    node: str
-    shard_id: str
-
-
-@frozen
-class StartReplica:
-    """Send StartShard for each spec, rank 0 first: ``specs[i]`` runs on ``placement.shards[i].node``."""
-
-    replica_id: str
-    profile: str
-    specs: tuple[ShardSpec, ...]
-    placement: Placement
-    reason: str
-
-
-@frozen
-class RestartReplica:
-    """Start a Failed replica again: its old shards are all gone, so this is a StartShard per spec."""
-
-    replica_id: str
-    profile: str
-    specs: tuple[ShardSpec, ...]
-    placement: Placement
-    moved: bool  # placed away from the nodes it failed on
-    reason: str
-
-
-@frozen
-class StopReplica:
-    replica_id: str
-    shards: tuple[ShardRef, ...]  # may be empty: nothing runs, the record just goes
-    reason: str
-
-
-@frozen
-class DrainReplica:
-    """Stop routing to it; send DrainShard with a timeout that ends at ``deadline``."""
-
-    replica_id: str
-    shards: tuple[ShardRef, ...]
-    deadline: float
-    reason: str
-
-
-@frozen
-class MarkPending:
-    """It fits nowhere (or waits for room being freed); sent when the reason changes."""
-
-    replica_id: str
-    profile: str
-    reasons: tuple[tuple[str, str], ...]  # (node, why not) for every node
-    reason: str
-
-
-@frozen
-class MarkFailed:
-    """It failed to start or to keep running. Stop what is left of it: a multi-node replica's
-    other ranks, or every shard of one not Ready in time."""
-
-    replica_id: str
-    shards: tuple[ShardRef, ...]
-    restart_at: float | None  # None: given up, an operator must act
-    reason: str
-
-
-@frozen
-class Preempt:
-    """Stop a lower band's replica so that ``for_replica_id`` can be placed once it is gone."""
-
-    victim_replica_id: str
-    shards: tuple[ShardRef, ...]
-    for_replica_id: str
-    for_profile: str
-    reason: str
-
-
-@frozen
-class Evict:
-    """Stop a replica one of whose GPUs turned unhealthy; a replacement goes elsewhere."""
-
-    replica_id: str
-    shards: tuple[ShardRef, ...]
-    reason: str
-
-
-@frozen
-class Reap:
-    """A replica with a shard on a lost node: stop what is left of it; a replacement is placed."""
-
-    replica_id: str
-    lost_nodes: tuple[str, ...]
-    shards: tuple[ShardRef, ...]  # its shards on nodes still there
-    reason: str
-
-
-@frozen
-class StopOrphan:
-    """A shard an agent runs that no record lists; repeated each pass while it is reported."""
-
-    node: str
-    shard_id: str
-    reason: str
-
-
-Action = (
-    StartReplica
-    | RestartReplica
-    | StopReplica
-    | DrainReplica
-    | MarkPending
-    | MarkFailed
-    | Preempt
-    | Evict
-    | Reap
-    | StopOrphan
-)
-# The actions that end a replica's shards: the shell sends StopShard (DrainShard) for their ``shards``.
-ENDING = (StopReplica, DrainReplica, MarkFailed, Preempt, Evict, Reap)
-
-
-@frozen
-class Plan:
-    actions: tuple[Action, ...]
-    # Every record after the pass, in a stable order; a record not listed is to be deleted.
-    replicas: tuple[Replica, ...]
-
-
-def reconcile(
-    *,
-    models: Mapping[str, Model],
-    profiles: Mapping[str, Profile],
-    replicas: Iterable[Replica],
-    cluster: ClusterView,
-    desired: Mapping[str, int],
-    now: float,
-    config: ReconcileConfig,
-    new_id: Callable[[], str],
-    reported: Iterable[ReportedShard] = (),
-    awaiting: frozenset[str] = frozenset(),
-) -> Plan:
-    """One pass. ``desired`` maps a profile to its wanted count (missing: its min_replicas).
-
-    ``new_id`` names each replica the pass creates; it must not repeat an id (the engine key is
-    derived from it). ``reported`` is every shard the agents say they run. ``awaiting`` names the
-    nodes known from before a server restart that have not reported since, nor been declared
-    lost: while there are any, counts are neither raised nor lowered, since what those nodes
-    run is not known yet — a replica added now could be one they are serving already.
-    """
-    return _Pass(models, profiles, replicas, cluster, desired, now, config, new_id, reported, awaiting).run()
-
-
-# --- one pass --------------------------------------------------------------------------------------
-
-
-class _Hold(NamedTuple):
-    """What one owner holds on one node (a tuple: a pass makes one per shard of the fleet)."""
-
-    owner: str  # a replica id, or "node/shard" for an orphan
-    gpus: tuple[int, ...]
-    ports: tuple[int, ...]
-    memory_mib: int = 0  # CPU shards only: a GPU shard's host needs are not modelled
-    cpu_cores: int = 0
-
-
 @attrs.frozen
 class _Restart:
     record: Replica
@@ -297,7 +58,7 @@ class _Restart:
     delay: float
 
 
-class _Pass:
+class Pass:
     def __init__(
         self,
         models: Mapping[str, Model],
@@ -316,7 +77,6 @@ class _Pass:
         self.profiles = profiles
         self.records: dict[str, Replica] = {r.id: r for r in replicas}
         self.cluster = cluster
-        self.nodes = {node.name: node for node in cluster.nodes}
         self.online = {node.name for node in cluster.nodes if node.online}
         self.desired = desired
         self.now = now
@@ -328,17 +88,9 @@ class _Pass:
         # Per profile, why replacements are wanted (reaped, evicted): the reasons of new records.
         self.replacing: dict[str, list[str]] = collections.defaultdict(list)
         self.orphans: list[ReportedShard] = []
-        self.holds: dict[str, list[_Hold]] = collections.defaultdict(list)
         self.fresh: set[str] = set()  # replicas this pass created
-        # Nodes as this pass has left them (what replicas hold taken out), made as placement
-        # first looks at them: a pass with nothing to place builds none.
-        self.occupied: dict[str, NodeView] = {}
-        # Per GPU class, the online nodes with healthy cards of it that nothing holds, and how
-        # many, in the view's order: which nodes are worth a look for a placement.
-        self.free_gpus: dict[str, dict[str, int]] = collections.defaultdict(dict)
-        # Owners of holds that stand for room promised to a replica waiting for it (preemption).
-        self.promised: set[str] = set()
-        self.searches_left = PREEMPTION_SEARCHES_PER_PASS
+        self.ledger = Ledger(cluster, config.port_range)  # filled once something is to be placed
+        self.searches_left = preemption.SEARCHES_PER_PASS
 
     def run(self) -> Plan:
         self._observe()
@@ -364,7 +116,9 @@ class _Pass:
         profile = self.profiles.get(record.profile)
         return profile if profile is not None and profile.model in self.models else None
 
-    def _end(self, record: Replica, state: ReplicaState, reason: str, **changes: object) -> tuple[ShardRef, ...]:
+    def _end(
+        self, record: Replica, state: ReplicaState, reason: str, **changes: object
+    ) -> tuple[ShardRef, ...]:
         """Moves ``record`` to Draining or Stopped, keeping its running shards; those go in the action.
 
         A record left with nothing running is removed at once.
@@ -628,7 +382,7 @@ class _Pass:
                     queue.append((record, restart))
         if not queue:
             return
-        self._collect_holds()
+        self.ledger.collect(self.records.values(), self.orphans, self._profile_of)
         unplaceable: dict[str, Unplaceable] = {}  # the view only shrinks within a pass
         queue.sort(key=lambda item: (-self.profiles[item[0].profile].band, item[0].created, item[0].id))
         for record, restart in queue:
@@ -640,32 +394,6 @@ class _Pass:
             else:
                 self._restart(restart, profile)
 
-    def _place_on(self, profile: Profile, away: frozenset[str] = frozenset()) -> Placement | Unplaceable:
-        """Placement on the view as this pass has left it, without the nodes in ``away``.
-
-        Tried first on the nodes with enough healthy cards of its class that nothing holds: the
-        others never fit, so the answer is the same, and on a busy fleet most nodes are skipped
-        without building their view. Only an Unplaceable is worth the whole fleet: it names every
-        node.
-        """
-        if profile.gpu_class is None:
-            names: Iterable[str] = (n.name for n in self.cluster.nodes if n.name in self.online)
-        else:
-            free = self.free_gpus.get(profile.gpu_class, {})
-            names = (name for name, cards in free.items() if cards >= profile.gpus_per_node)
-        hosts = tuple(self._node_now(name) for name in names if name not in away)
-        result = place(ClusterView(nodes=hosts), profile, self.config.port_range)
-        if isinstance(result, Placement):
-            return result
-        every = tuple(self._node_now(n.name) for n in self.cluster.nodes if n.name not in away)
-        return place(ClusterView(nodes=every), profile, self.config.port_range)
-
-    def _node_now(self, name: str) -> NodeView:
-        node = self.occupied.get(name)
-        if node is None:
-            node = self.occupied[name] = self._occupy((self.nodes[name],), frozenset())[0]
-        return node
-
     def _due_restart(self, record: Replica) -> _Restart | None:
         decision = self._decision(record)
         if isinstance(decision, GiveUp) or self.now < decision.at or self._running(record):
@@ -673,7 +401,7 @@ class _Pass:
         return _Restart(record=record, move=isinstance(decision, MoveElsewhere), delay=decision.delay)
 
     def _place_pending(self, record: Replica, profile: Profile, unplaceable: dict[str, Unplaceable]) -> None:
-        result = unplaceable.get(profile.name) or self._place_on(profile)
+        result = unplaceable.get(profile.name) or self.ledger.place_now(profile)
         if isinstance(result, Placement):
             why = record.reason if record.id in self.fresh else f"pending for {self.now - record.since:.0f} s"
             self._start(record, profile, result, why)
@@ -700,10 +428,10 @@ class _Pass:
     def _restart(self, restart: _Restart, profile: Profile) -> None:
         record = restart.record
         why = f"after a {restart.delay:.3g} s backoff ({record.reason})"
-        old = self._placement_of(record) if self._still_free(record, profile) else None
+        old = self._placement_of(record) if self.ledger.still_free(record, profile) else None
         if restart.move or old is None:
             away = frozenset(record.failed_nodes if restart.move else ())
-            result = self._place_on(profile, away)
+            result = self.ledger.place_now(profile, away)
             if isinstance(result, Placement):
                 how = f"moved away from {', '.join(sorted(away))}" if away else "placed anew"
                 self._start(record, profile, result, f"{how} {why}", moved=True)
@@ -739,7 +467,7 @@ class _Pass:
         action = StartReplica(**fields) if moved is None else RestartReplica(moved=moved, **fields)
         self._act(action, record.id)
         if take:
-            self._take(record.id, placement, profile)
+            self.ledger.take(record.id, placement, profile)
 
     def _launch(self, record: Replica, profile: Profile, placement: Placement) -> tuple[ShardSpec, ...]:
         """The specs to start ``record`` with at ``placement``; the record becomes Starting."""
@@ -766,18 +494,6 @@ class _Pass:
         )
         return specs
 
-    def _take(self, owner: str, placement: Placement, profile: Profile) -> None:
-        """Holds ``placement`` for ``owner`` for the rest of the pass."""
-        self._hold(owner, placement.shards, profile)
-        if profile.gpu_class is not None:
-            free = self.free_gpus[profile.gpu_class]
-            for shard in placement.shards:
-                # A promise may take cards that are not free yet (those of replicas stopping).
-                free[shard.node] = free.get(shard.node, 0) - profile.gpus_per_node
-        nodes = ClusterView(nodes=tuple(self._node_now(s.node) for s in placement.shards))
-        for node in apply(nodes, placement, profile).nodes:
-            self.occupied[node.name] = node
-
     def _placement_of(self, record: Replica) -> Placement:
         return Placement(
             shards=tuple(
@@ -792,94 +508,23 @@ class _Pass:
             )
         )
 
-    def _still_free(self, record: Replica, profile: Profile) -> bool:
-        """Whether its GPUs and ports are its alone, in the shape its profile asks for now."""
-        if len(record.shards) != profile.nodes:
-            return False
-        for shard in record.shards:
-            if profile.gpu_class is not None and len(shard.gpu_indices) != profile.gpus_per_node:
-                return False
-            mine = {*shard.gpu_indices}, {shard.port, shard.rendezvous_port} - {0}
-            for hold in self.holds.get(shard.node, ()):
-                if hold.owner != record.id and (
-                    mine[0].intersection(hold.gpus) or mine[1].intersection(hold.ports)
-                ):
-                    return False
-        return True
-
-    # --- what is held, and by whom ----------------------------------------------------------------
-
-    def _collect_holds(self) -> None:
-        for record in self.records.values():
-            if record.state != ReplicaState.PENDING and record.shards:
-                self._hold(record.id, record.shards, self._profile_of(record))
-        for shard in self.orphans:
-            owner = f"{shard.node}/{shard.shard_id}"
-            ports = (shard.port, shard.rendezvous_port)
-            self.holds[shard.node].append(_Hold(owner=owner, gpus=shard.gpu_indices, ports=ports))
-        for node in self.cluster.nodes:
-            if node.online:
-                held = {index for hold in self.holds.get(node.name, ()) for index in hold.gpus}
-                free = collections.Counter(
-                    g.gpu_class for g in node.gpus if g.healthy and not g.allocated and g.index not in held
-                )
-                for gpu_class, cards in free.items():
-                    self.free_gpus[gpu_class][node.name] = cards
-
-    def _hold(
-        self, owner: str, shards: Iterable[ReplicaShard | ShardPlacement], profile: Profile | None
-    ) -> None:
-        memory_mib = cpu_cores = 0
-        if profile is not None and profile.gpu_class is None:
-            memory_mib, cpu_cores = profile.memory_mib, profile.cpu_cores
-        for shard in shards:
-            ports = (shard.port, shard.rendezvous_port)  # 0 = none; never in a port range
-            self.holds[shard.node].append(_Hold(owner, shard.gpu_indices, ports, memory_mib, cpu_cores))
-
-    def _occupy(self, nodes: Iterable[NodeView], exclude: frozenset[str]) -> tuple[NodeView, ...]:
-        """``nodes`` with what every owner but ``exclude`` holds taken out."""
-        out = []
-        for node in nodes:
-            holds = [h for h in self.holds.get(node.name, ()) if h.owner not in exclude]
-            if not holds:
-                out.append(node)
-                continue
-            gpus = {index for h in holds for index in h.gpus}
-            gpu_views = node.gpus
-            if gpus:
-                gpu_views = tuple(
-                    attrs.evolve(g, allocated=True) if g.index in gpus and not g.allocated else g
-                    for g in node.gpus
-                )
-            out.append(
-                attrs.evolve(
-                    node,
-                    gpus=gpu_views,
-                    ports_in_use=node.ports_in_use.union(*(h.ports for h in holds)) - {0},
-                    memory_free_mib=node.memory_free_mib - sum(h.memory_mib for h in holds),
-                    cpu_cores_free=node.cpu_cores_free - sum(h.cpu_cores for h in holds),
-                )
-            )
-        return tuple(out)
-
     # --- preemption --------------------------------------------------------------------------------
 
     def _make_room(self, record: Replica, profile: Profile) -> str:
         """What is done so that ``record`` can be placed later, as words to add to its reason.
 
         Room being freed already (replicas draining or stopping, orphans) is waited for. Otherwise
-        the cheapest set of lower-band replicas on one node (a fabric, for a multi-node profile)
-        whose removal would let it fit is preempted: lowest band first, then fewest, then newest.
-        Either way the room is promised to ``record`` for the rest of the pass, so that the next
-        replica to fit nowhere does not count on the same room, and nothing placed in this pass
-        is taken back.
+        the cheapest set of lower-band replicas (see :mod:`.preemption`) is preempted. Either way
+        the room is promised to ``record`` for the rest of the pass, so that the next replica to
+        fit nowhere does not count on the same room, and nothing placed in this pass is taken back.
         """
-        leaving = frozenset(h.owner for hs in self.holds.values() for h in hs if self._is_leaving(h.owner))
-        for nodes in self._islands(profile, leaving).values():
-            placement = self._fit_without(nodes, profile, leaving)
-            if placement is not None:
-                self._promise(record, placement, profile)
-                return "; waiting for room that replicas being stopped are freeing"
+        leaving = frozenset(
+            h.owner for hs in self.ledger.holds.values() for h in hs if self._is_leaving(h.owner)
+        )
+        placement = preemption.room_being_freed(self.ledger, profile, leaving)
+        if placement is not None:
+            self.ledger.promise(record.id, placement, profile)
+            return "; waiting for room that replicas being stopped are freeing"
         candidates = sorted(
             (
                 r
@@ -890,22 +535,22 @@ class _Pass:
                 and (victim_profile := self.profiles.get(r.profile)) is not None
                 and victim_profile.band < profile.band
             ),
-            key=self._preference,
+            key=preemption.preference(self._band),
         )
         if not candidates:
             return ""
         if not self.searches_left:
             return "; whether to preempt is decided on the next pass"
         self.searches_left -= 1
-        best = self._cheapest_victims(candidates, profile, leaving)
+        best = preemption.cheapest_victims(self.ledger, candidates, profile, leaving, self._band)
         if best is None:
             return ""
         victims, placement = best
-        self._promise(record, placement, profile)
+        self.ledger.promise(record.id, placement, profile)
         for victim in victims:
             reason = (
                 f"preempted for {record.id} of profile {profile.name} (band {profile.band}), "
-                f"which fits nowhere else; {victim.id} is band {self.profiles[victim.profile].band}"
+                f"which fits nowhere else; {victim.id} is band {self._band(victim)}"
             )
             shards = self._end(victim, ReplicaState.STOPPED, reason)
             self._act(
@@ -923,118 +568,15 @@ class _Pass:
             self._add(self.profiles[victim.profile], f"replaces {victim.id}, preempted for {record.id}")
         return f"; preempting {', '.join(v.id for v in victims)} to make room"
 
-    def _cheapest_victims(
-        self, candidates: list[Replica], profile: Profile, leaving: frozenset[str]
-    ) -> tuple[list[Replica], Placement] | None:
-        """Which of ``candidates`` to preempt, and where ``profile`` would go once they are gone."""
-        on_node: dict[str, list[Replica]] = collections.defaultdict(list)
-        for candidate in candidates:
-            for node in dict.fromkeys(s.node for s in candidate.shards):
-                on_node[node].append(candidate)
-        best: tuple[tuple[object, ...], list[Replica], Placement] | None = None
-        for island, nodes in self._islands(profile, {c.id for c in candidates}).items():
-            local = sorted({c.id: c for n in nodes for c in on_node[n.name]}.values(), key=self._preference)
-            found = self._victims(local, nodes, profile, leaving)
-            if found is not None:
-                chosen, placement = found
-                bands = [self.profiles[c.profile].band for c in chosen]
-                key = (max(bands), len(chosen), -max(c.created for c in chosen), island)
-                if best is None or key < best[0]:
-                    best = (key, chosen, placement)
-        return None if best is None else (best[1], best[2])
-
-    def _preference(self, record: Replica) -> tuple[int, float, str]:
-        """Which replica is preempted first: the lowest band, then the newest."""
-        return (self.profiles[record.profile].band, -record.created, record.id)
+    def _band(self, record: Replica) -> int:
+        return self.profiles[record.profile].band
 
     def _is_leaving(self, owner: str) -> bool:
-        if owner in self.promised:
+        if owner in self.ledger.promised:
             return False
         record = self.records.get(owner)
         # Owners that are not records are orphans (or replicas gone this pass): going too.
         return record is None or record.state in (ReplicaState.DRAINING, ReplicaState.STOPPED)
-
-    def _victims(
-        self, local: list[Replica], nodes: list[NodeView], profile: Profile, leaving: frozenset[str]
-    ) -> tuple[list[Replica], Placement] | None:
-        """The first of ``local`` (in preference order) whose removal lets ``profile`` fit, pruned."""
-        chosen: list[Replica] = []
-        for candidate in local:
-            chosen.append(candidate)
-            placement = self._fit_without(nodes, profile, leaving | {c.id for c in chosen})
-            if placement is not None:
-                break
-        else:
-            return None
-        # Freeing more never makes a fit impossible, so the last one taken was needed; an earlier
-        # one may not be (a small replica taken before the large one that alone makes room).
-        for candidate in reversed(chosen[:-1]):
-            fewer = [c for c in chosen if c is not candidate]
-            smaller = self._fit_without(nodes, profile, leaving | {c.id for c in fewer})
-            if smaller is not None:
-                chosen, placement = fewer, smaller
-        return chosen, placement
-
-    def _islands(self, profile: Profile, owners: Iterable[str]) -> dict[str, list[NodeView]]:
-        """The nodes one replica of ``profile`` could use together, where ``owners`` hold something.
-
-        One node for a single-node profile; a fabric's nodes for a multi-node one. Removing a
-        holder changes only its own nodes, so a fit is checked on those alone: cheap on a big fleet.
-        """
-        owners = set(owners)
-        holding = [
-            self.nodes[name]
-            for name, holds in self.holds.items()
-            if name in self.nodes and any(h.owner in owners for h in holds)
-        ]
-        if profile.nodes == 1:
-            return {node.name: [node] for node in holding if _could_host(node, profile)}
-        fabrics = {node.fabric for node in holding if node.fabric}
-        islands: dict[str, list[NodeView]] = {fabric: [] for fabric in sorted(fabrics)}
-        for node in self.cluster.nodes:
-            if node.fabric in islands and _could_host(node, profile):
-                islands[node.fabric].append(node)
-        return islands
-
-    def _fit_without(
-        self, nodes: list[NodeView], profile: Profile, without: frozenset[str]
-    ) -> Placement | None:
-        """Where ``profile`` would go on ``nodes`` if the owners in ``without`` held nothing."""
-        if not self._enough_cards_without(nodes, profile, without):
-            return None  # placement would say so too, at the cost of explaining why
-        result = place(ClusterView(nodes=self._occupy(nodes, without)), profile, self.config.port_range)
-        return result if isinstance(result, Placement) else None
-
-    def _enough_cards_without(self, nodes: list[NodeView], profile: Profile, without: frozenset[str]) -> bool:
-        """Whether enough of ``nodes`` would have enough healthy cards of the profile's class.
-
-        Needed for a fit, and cheap: a preemption search asks it of every node, and placement is
-        asked only where it holds (memory and ports are left to placement).
-        """
-        if profile.gpu_class is None:
-            return True
-        enough = 0
-        for node in nodes:
-            held = {i for h in self.holds.get(node.name, ()) if h.owner not in without for i in h.gpus}
-            cards = sum(
-                1
-                for g in node.gpus
-                if g.gpu_class == profile.gpu_class and g.healthy and not g.allocated and g.index not in held
-            )
-            enough += cards >= profile.gpus_per_node
-        return enough >= profile.nodes
-
-    def _promise(self, record: Replica, placement: Placement, profile: Profile) -> None:
-        """Holds ``placement`` for ``record`` for the rest of the pass, as if it were placed."""
-        owner = f"promised to {record.id}"
-        self.promised.add(owner)
-        self._take(owner, placement, profile)
-
-
-def _could_host(node: NodeView, profile: Profile) -> bool:
-    if not node.online or not node.connected:
-        return False
-    return profile.gpu_class is None or any(g.gpu_class == profile.gpu_class for g in node.gpus)
 
 
 def _where(placement: Placement) -> str:
