@@ -151,7 +151,7 @@ class NoResponse(Exception):
 
 
 def add_parser(commands, add, client: Callable[[argparse.Namespace], AdminClient]) -> None:
-    """Adds ``bench``; `add` is commands.py's ``_add`` and `client` its admin-client factory."""
+    """Adds ``bench``; `add` is :func:`llmgw.ctl.subcommand.add`, `client` the admin-client factory."""
     parser = add(
         commands, "bench", "send chat completions and measure throughput and latency", _command(client)
     )

@@ -5,23 +5,50 @@ the environment (``LLMGW_SERVER``, ``LLMGW_TOKEN``), then the context file that 
 context set`` writes (``$LLMGW_CONTEXT``, else ``~/.config/llmgw/context.json``). The file holds
 a token that administers the whole fleet, so it is written 0600 in a 0700 directory, and written
 atomically so that an interrupted ``context set`` never leaves half a file.
+
+``llmgw ctl context set|show``, the commands that write and explain this, are at the end.
 """
 
 from __future__ import annotations
 
+import argparse
+import getpass
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import attrs
 
+from llmgw.ctl import render
 from llmgw.ctl.client import CtlError
+from llmgw.ctl.subcommand import add, add_json_flag
 
 DEFAULT_SERVER = "http://127.0.0.1:7071"
 SERVER_ENV = "LLMGW_SERVER"
 TOKEN_ENV = "LLMGW_TOKEN"
 CONTEXT_ENV = "LLMGW_CONTEXT"
+
+NO_TOKEN_MESSAGE = (
+    "no admin token: pass --token, set LLMGW_TOKEN, or run `llmgw ctl context set --server URL "
+    "--token-file FILE` (the server writes the token to admin-token in its data directory)"
+)
+
+CONTEXT_SET_DESCRIPTION = """\
+Saves the server address and the admin token for later ctl commands, in the
+context file ($LLMGW_CONTEXT, default ~/.config/llmgw/context.json, mode 0600).
+
+The token is read from a file or from stdin, never from the command line, where
+other users could see it in the process list and it would land in shell history.
+"""
+
+CONTEXT_SET_EPILOG = """\
+examples:
+  llmgw ctl context set --server http://10.0.0.5:7071 --token-file ./admin-token
+  ssh head-node cat .local/share/llmgw/server/admin-token | \\
+      llmgw ctl context set --server http://head-node:7071 --token-stdin
+"""
 
 
 @attrs.frozen
@@ -122,3 +149,81 @@ def _first(flag: str | None, flag_name: str, env_name: str) -> tuple[str | None,
     if value:
         return value, f"${env_name}"
     return None, ""
+
+
+# --- `llmgw ctl context set|show` ------------------------------------------------------------
+
+
+def add_parsers(commands) -> None:
+    context = commands.add_parser(
+        "context",
+        help="save or show where ctl finds the server and the token",
+        description="Where ctl finds the server and the admin token.",
+    )
+    context_commands = context.add_subparsers(dest="context_command", metavar="COMMAND", required=True)
+    context_set = add(context_commands, "set", "save the server and the admin token", _context_set)
+    context_set.description = CONTEXT_SET_DESCRIPTION
+    context_set.epilog = CONTEXT_SET_EPILOG
+    context_set.add_argument(
+        "--server", dest="set_server", metavar="URL", required=True, help="admin API address"
+    )
+    source = context_set.add_mutually_exclusive_group(required=True)
+    source.add_argument("--token-file", type=Path, metavar="FILE", help="read the admin token from FILE")
+    source.add_argument(
+        "--token-stdin", action="store_true", help="read the admin token from stdin (prompts on a terminal)"
+    )
+    context_show = add(
+        context_commands,
+        "show",
+        "print the server and where the token comes from (never the token)",
+        _context_show,
+    )
+    add_json_flag(context_show)
+
+
+def _context_set(args: argparse.Namespace) -> int:
+    token = _read_token(args)
+    path = save_context(args.set_server, token)
+    print(f"saved to {path}; try `llmgw ctl nodes`")
+    return 0
+
+
+def _read_token(args: argparse.Namespace) -> str:
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text()
+        except OSError as e:
+            raise CtlError(f"cannot read the token file {args.token_file}: {e.strerror}") from None
+        where = str(args.token_file)
+    elif sys.stdin.isatty():
+        token = getpass.getpass("admin token: ")  # not echoed
+        where = "the terminal"
+    else:
+        token = sys.stdin.read()
+        where = "stdin"
+    token = token.strip()
+    if not token:
+        raise CtlError(f"no token in {where}")
+    return token
+
+
+def _context_show(args: argparse.Namespace) -> int:
+    context = resolve(args.server, args.token)
+    path = context_path()
+    if args.json:
+        render.print_json(
+            {
+                "server": context.server,
+                "server_source": context.server_source,
+                "token_source": context.source,
+                "context_file": str(path),
+            }
+        )
+        return 0
+    print(f"server:       {context.server} (from {context.server_source})")
+    if context.token is None:
+        print(f"token:        none; {NO_TOKEN_MESSAGE.removeprefix('no admin token: ')}")
+    else:
+        print(f"token:        from {context.source}")
+    print(f"context file: {path}" + ("" if path.exists() else " (none yet)"))
+    return 0
