@@ -10,9 +10,9 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.core.quota import Limits
+from llmgw.core.quota import CHARS_PER_TOKEN, DEFAULT_COMPLETION_ESTIMATE, Limits, estimate_tokens
 from llmgw.gateway import GatewayError, RequestRecord, Upstream, Usage
-from llmgw.server.gate import CHARS_PER_TOKEN, DEFAULT_COMPLETION_ESTIMATE, ControlPlaneGate, estimate_tokens
+from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.routing import Route, Routes
 
 

@@ -24,7 +24,11 @@ Letting a higher band displace a queued lower-band waiter was considered and lef
 a quick 429 for the newcomer into a late failure for a client who has already waited, and among
 the waiters that are queued the bands already decide who goes first.
 
-The queue only decides order; whether a replica has room is the shell's question.
+The queue only decides order. :class:`AdmissionLane` puts it together with room: one model's
+queue, the requests it has in flight on each replica, and the requests waiting for one replica in
+particular (the prefix policy's affinity); it answers, for each arrival, go now (and where),
+queued, or refused, and, whenever room may have changed, who goes now. The shell only maps the
+lane's ids to its clients' wake-up events.
 
 Pure: ``now`` is a parameter. A waiter is expired once ``now >= deadline``, the moment at which
 ``trio.move_on_at(deadline)`` would fire in the shell.
@@ -34,9 +38,12 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 import attrs
+
+from llmgw.core.routing import Candidate, Decision, decide, has_room
 
 frozen = attrs.frozen(kw_only=True)
 
@@ -223,3 +230,206 @@ class AdmissionQueue:
         if len(self._deadlines) > 2 * len(self._waiting) + _COMPACT_SLACK:
             self._deadlines = [entry for entry in self._deadlines if self._is_live(entry)]
             heapq.heapify(self._deadlines)
+
+
+# --- one model's lane: the queue, with room per replica ------------------------------------------
+
+
+class EngineLoadView(Protocol):
+    running: int | None
+    waiting: int
+    saturation: float
+
+
+class OfferedReplica(Protocol):
+    """A Ready replica as the lane needs it (the shell's route)."""
+
+    replica: str
+    slots: int
+    load: EngineLoadView | None  # the engine's last scraped load; None when unknown
+
+
+class Offer(Protocol):
+    """A model's Ready replicas, and how its profile wants them chosen (the shell's routes)."""
+
+    policy: str
+    load_factor: float
+    replicas: Sequence[OfferedReplica]
+
+
+@frozen
+class Arrival:
+    id: Hashable  # unique among the lane's requests that wait
+    tenant: str
+    band: int
+    deadline: float  # when the shell answers it with a timeout
+    key: bytes | None = None  # the prefix policy's key; None for the others or without a prompt
+
+
+@frozen
+class Go:
+    """A request let through: charged to ``replica``, to be sent along ``order`` (best first)."""
+
+    id: Hashable
+    replica: str
+    order: tuple[str, ...]
+    outcome: str  # the routing outcome, for the metrics
+
+
+@frozen
+class Queued:
+    """The arrival waits; ``wake`` are those let through by the dispatch that followed (the
+    arrival itself among them, when it waited for nothing after all)."""
+
+    wake: tuple[Go, ...]
+
+
+Salt = Callable[[], int]
+
+
+class AdmissionLane:
+    """One model's requests between arrival and their answer's end.
+
+    A request arrives (:meth:`arrive`): it goes at once when nobody waits and a replica may take
+    it, else it is queued (or refused when the queue is full). It leaves the lane by going (a
+    :class:`Go` from ``arrive`` or :meth:`dispatch`), or by :meth:`leave` (its client went away or
+    its deadline came). A request that went holds its replica's slot until :meth:`release`.
+    Whenever room may have changed — a request finished, replicas came or went, an engine's load
+    was scraped — :meth:`dispatch` says who goes now: first those waiting for one replica, oldest
+    first, each decided again as loads are now; then the queue, while a replica has room.
+    """
+
+    def __init__(self, max_waiting: int) -> None:
+        self.queue = AdmissionQueue(max_waiting)
+        self.in_flight: dict[str, int] = {}  # per replica id, only those above 0
+        # Waiters taken from the queue to wait for one replica in particular: waiter id → replica
+        # id, oldest first. They go before the queue when it frees.
+        self.parked: dict[Hashable, str] = {}
+        self._waiting: dict[Hashable, Arrival] = {}  # queued or parked
+        self.turn = 0  # the round-robin policy's counter
+
+    def busy(self) -> bool:
+        return bool(self.in_flight or self._waiting)
+
+    def depth_by_band(self) -> dict[int, int]:
+        """Waiting requests per band, those waiting for one replica included."""
+        bands = self.queue.depth_by_band()
+        for waiter_id in self.parked:
+            band = self._waiting[waiter_id].band
+            bands[band] = bands.get(band, 0) + 1
+        return bands
+
+    def waiting_for(self) -> dict[str, int]:
+        """Requests waiting for one replica in particular, per replica id."""
+        counts: dict[str, int] = {}
+        for replica in self.parked.values():
+            counts[replica] = counts.get(replica, 0) + 1
+        return counts
+
+    def arrive(self, arrival: Arrival, offer: Offer | None, now: float, salt: Salt) -> Go | Queued | Rejected:
+        if not self._waiting and offer is not None:
+            # Nobody waits: if the request may go now, the queue would hand it the slot at once.
+            decision = self._decide(offer, arrival.key, salt)
+            if decision is not None and not decision.wait:
+                return self._go(arrival.id, decision)
+        waiter = Waiter(
+            id=arrival.id, tenant=arrival.tenant, band=arrival.band, enqueued_at=now, deadline=arrival.deadline
+        )
+        pushed = self.queue.push(waiter)
+        if isinstance(pushed, Rejected):
+            return pushed
+        self._waiting[arrival.id] = arrival
+        return Queued(wake=self.dispatch(offer, now, salt))
+
+    def dispatch(self, offer: Offer | None, now: float, salt: Salt) -> tuple[Go, ...]:
+        """Who goes now. ``offer`` None (no profile serves the model any more): nobody; the
+        waiters' deadlines answer them."""
+        if not self._waiting or offer is None:
+            return ()
+        went = []
+        for waiter_id in list(self.parked):
+            decision = self._decide(offer, self._waiting[waiter_id].key, salt, parked=waiter_id)
+            if decision is None:
+                continue  # no replica at all now: it keeps waiting where it was
+            if decision.wait:
+                self.parked[waiter_id] = decision.choice.order[0]  # keeps its place in line
+            else:
+                del self.parked[waiter_id]
+                went.append(self._go(waiter_id, decision))
+        while self.queue:
+            candidates = self._candidates(offer)
+            if not has_room(candidates):
+                break
+            popped = self.queue.pop(now)
+            if popped.waiter is None:
+                break
+            waiter_id = popped.waiter.id
+            decision = self._decide(offer, self._waiting[waiter_id].key, salt, candidates=candidates)
+            if decision is None:  # cannot happen while a replica has room; kept waiting if so
+                self.parked[waiter_id] = ""
+            elif decision.wait:
+                self.parked[waiter_id] = decision.choice.order[0]
+            else:
+                went.append(self._go(waiter_id, decision))
+        return tuple(went)
+
+    def leave(self, waiter_id: Hashable) -> None:
+        """A waiter that will not go: its client went away, or its deadline came."""
+        if self._waiting.pop(waiter_id, None) is not None:
+            self.queue.cancel(waiter_id)
+            self.parked.pop(waiter_id, None)
+
+    def release(self, replica: str) -> None:
+        """A request that went is over (answered, failed, or cancelled before it was sent)."""
+        # Only busy replicas are kept: replicas come and go over the process's life.
+        left = self.in_flight[replica] - 1
+        if left:
+            self.in_flight[replica] = left
+        else:
+            del self.in_flight[replica]
+
+    def _go(self, waiter_id: Hashable, decision: Decision) -> Go:
+        self._waiting.pop(waiter_id, None)
+        choice = decision.choice
+        self.turn += 1
+        first = choice.order[0]
+        self.in_flight[first] = self.in_flight.get(first, 0) + 1
+        return Go(id=waiter_id, replica=first, order=choice.order, outcome=choice.outcome)
+
+    def _decide(
+        self,
+        offer: Offer,
+        key: bytes | None,
+        salt: Salt,
+        parked: Hashable | None = None,
+        candidates: list[Candidate] | None = None,
+    ) -> Decision | None:
+        """core.routing.decide for one request, with the lane's loads (``parked``: the waiter
+        being decided again, whose own wait is not counted; ``candidates``: already built)."""
+        return decide(
+            offer.policy,
+            candidates if candidates is not None else self._candidates(offer, leaving=parked),
+            key=key,
+            salt=salt(),
+            turn=self.turn,
+            load_factor=offer.load_factor,
+        )
+
+    def _candidates(self, offer: Offer, leaving: Hashable | None = None) -> list[Candidate]:
+        in_flight = self.in_flight
+        queued: dict[str, int] = {}
+        for waiter_id, replica in self.parked.items():
+            if waiter_id != leaving:
+                queued[replica] = queued.get(replica, 0) + 1
+        return [
+            Candidate(
+                id=route.replica,
+                slots=route.slots,
+                in_flight=in_flight.get(route.replica, 0),
+                queued=queued.get(route.replica, 0),
+                running=route.load.running if route.load is not None else None,
+                waiting=route.load.waiting if route.load is not None else 0,
+                saturation=route.load.saturation if route.load is not None else 0.0,
+            )
+            for route in offer.replicas
+        ]

@@ -309,3 +309,21 @@ class QuotaBook:
                 continue  # pruned: every bucket it was counted in has left its window
             for window, counts in windows.items():
                 counts.adjust(window.bucket(reservation.reserved_at), requests, tokens)
+
+
+# Tokens reserved for a request that names no max_tokens: a typical answer's length.
+DEFAULT_COMPLETION_ESTIMATE = 256
+# Characters per token when estimating a prompt from its text (English-ish, a rough upper bound).
+CHARS_PER_TOKEN = 3
+
+
+def estimate_tokens(payload: Mapping, body_size: int) -> int:
+    """What to reserve before the answer is known: the prompt's size plus the most it may write.
+
+    The prompt's size is taken from the body's: its bytes are nearly all prompt (tool definitions
+    and the like are prompt to the engine too), and encoding the messages again only to measure
+    them would cost more than the rest of the request's path for a long conversation."""
+    completion = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    if not isinstance(completion, int) or completion <= 0:
+        completion = DEFAULT_COMPLETION_ESTIMATE
+    return completion + body_size // CHARS_PER_TOKEN + 1

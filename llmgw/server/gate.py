@@ -26,9 +26,9 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from llmgw.core.admission import Accepted, AdmissionQueue, Waiter
-from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation
-from llmgw.core.routing import PREFIX, Candidate, Decision, decide, has_room, prefix_key
+from llmgw.core.admission import AdmissionLane, Arrival, Go, Rejected
+from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation, estimate_tokens
+from llmgw.core.routing import PREFIX, prefix_key
 from llmgw.gateway import GatewayError, RequestRecord, Upstream
 from llmgw.server.routing import Routes
 from llmgw.server.store import UsageRecord
@@ -37,10 +37,6 @@ from llmgw.server.store import UsageRecord
 MAX_WAITING = 1024
 # How long a request may wait for room before it is answered 503.
 QUEUE_TIMEOUT = 60.0
-# Tokens reserved for a request that names no max_tokens: a typical answer's length.
-DEFAULT_COMPLETION_ESTIMATE = 256
-# Characters per token when estimating a prompt from its text (English-ish, a rough upper bound).
-CHARS_PER_TOKEN = 3
 
 
 class CallerKey(Protocol):
@@ -90,26 +86,13 @@ class Ticket:
 
 
 @attrs.define(eq=False)
-class _Waiting:
-    """A queued request, as the shell keeps it: what its choice needs, and how to wake it."""
-
-    prefix: bytes | None
-    band: int
-    woken: trio.Event = attrs.field(factory=trio.Event)
-    choice: tuple[str, tuple[Upstream, ...]] | None = None  # (replica charged, upstreams)
-
-
-@attrs.define(eq=False)
 class _Lane:
-    """One model's queue and what it has in flight on each replica."""
+    """One model's lane (core.admission), and the shell's side of its waiters."""
 
-    queue: AdmissionQueue
-    in_flight: dict[str, int] = attrs.field(factory=dict)  # per replica id, only those above 0
-    waiting: dict[int, _Waiting] = attrs.field(factory=dict)
-    # Waiters taken from the queue to wait for one replica in particular (the prefix policy's
-    # affinity): waiter id → replica id, oldest first. They go before the queue when it frees.
-    parked: dict[int, str] = attrs.field(factory=dict)
-    turn: int = 0  # the round-robin policy's counter
+    admission: AdmissionLane
+    # Per waiting request: its wake-up, and where it goes once let through.
+    woken: dict[int, trio.Event] = attrs.field(factory=dict)
+    chosen: dict[int, tuple[str, tuple[Upstream, ...]]] = attrs.field(factory=dict)
     last_busy: float = -math.inf  # when it last had a request in flight or waiting (trio time)
 
 
@@ -179,7 +162,7 @@ class ControlPlaneGate:
 
     def finish(self, ticket: Ticket, record: RequestRecord) -> None:
         lane = self._lanes[ticket.model]
-        self._release_slot(lane, ticket.replica)
+        lane.admission.release(ticket.replica)
         lane.last_busy = trio.current_time()
         if record.usage is not None:
             self._quotas.settle(ticket.reservation, record.usage.total_tokens)
@@ -209,27 +192,17 @@ class ControlPlaneGate:
 
     def queue_depths(self) -> dict[str, dict[int, int]]:
         """Waiting requests per model and band, for the gateway's metrics and the scaler."""
-        depths = {}
-        for model, lane in self._lanes.items():
-            bands = lane.queue.depth_by_band()
-            for waiter_id in lane.parked:
-                band = lane.waiting[waiter_id].band
-                bands[band] = bands.get(band, 0) + 1
-            depths[model] = bands
-        return depths
+        return {model: lane.admission.depth_by_band() for model, lane in self._lanes.items()}
 
     def in_flight(self, model: str) -> dict[str, int]:
         """The model's requests in flight, per replica id (those with any)."""
         lane = self._lanes.get(model)
-        return dict(lane.in_flight) if lane is not None else {}
+        return dict(lane.admission.in_flight) if lane is not None else {}
 
     def waiting_for(self, model: str) -> dict[str, int]:
         """The model's requests waiting for one replica in particular, per replica id."""
         lane = self._lanes.get(model)
-        counts: dict[str, int] = {}
-        for replica in lane.parked.values() if lane is not None else ():
-            counts[replica] = counts.get(replica, 0) + 1
-        return counts
+        return lane.admission.waiting_for() if lane is not None else {}
 
     def idle_for(self, model: str) -> float:
         """Seconds the model has had nothing in flight and nothing waiting (0 while it has)."""
@@ -237,7 +210,7 @@ class ControlPlaneGate:
         now = trio.current_time()
         if self._started is None:
             self._started = now
-        if lane is not None and (lane.in_flight or lane.queue or lane.parked):
+        if lane is not None and lane.admission.busy():
             return 0.0
         return now - max(lane.last_busy if lane is not None else -math.inf, self._started)
 
@@ -252,164 +225,80 @@ class ControlPlaneGate:
     ) -> tuple[str, tuple[Upstream, ...]]:
         lane = self._lanes.get(model)
         if lane is None:
-            lane = self._lanes[model] = _Lane(queue=AdmissionQueue(MAX_WAITING))
+            lane = self._lanes[model] = _Lane(admission=AdmissionLane(MAX_WAITING))
         lane.last_busy = now
         routes = self._router.routes(model)
-        prefix = _prefix(routes, payload)
-        if not lane.queue and not lane.parked and routes is not None:
-            # Nobody waits: if the request may go now, the queue would hand it the slot at once.
-            # Going directly spares an event, a cancel scope and a queue round trip.
-            decision = self._decide(lane, routes, prefix)
-            if decision is not None and not decision.wait:
-                return self._go(model, lane, routes, decision)
-        waiter = Waiter(
+        arrival = Arrival(
             id=next(self._ids),
             tenant=caller.tenant,
             band=caller.band,
-            enqueued_at=now,
             deadline=now + self._queue_timeout,
+            key=_prefix(routes, payload),
         )
-        pushed = lane.queue.push(waiter)
-        if not isinstance(pushed, Accepted):
+        arrived = lane.admission.arrive(arrival, routes, now, self._salt)
+        if isinstance(arrived, Go):
+            return self._went(model, routes, arrived)
+        if isinstance(arrived, Rejected):
             raise GatewayError(
                 429,
                 f"Too many requests are waiting for '{model}'",
                 code="queue_full",
-                retry_after=pushed.retry_after,
+                retry_after=arrived.retry_after,
             )
-        waiting = lane.waiting[waiter.id] = _Waiting(prefix=prefix, band=caller.band)
+        woken = lane.woken[arrival.id] = trio.Event()
         ready = routes is not None and bool(routes.replicas)
         if not ready and self._on_waiting is not None:
             self._on_waiting(model)
-        self._dispatch(model, now)
+        self._wake(model, lane, routes, arrived.wake)
         try:
-            with trio.move_on_at(waiter.deadline):
-                await waiting.woken.wait()
+            with trio.move_on_at(arrival.deadline):
+                await woken.wait()
         except BaseException:
-            if waiting.choice is not None:  # let through, then cancelled before it could go
-                self._release_slot(lane, waiting.choice[0])
+            chosen = lane.chosen.pop(arrival.id, None)
+            if chosen is not None:  # let through, then cancelled before it could go
+                lane.admission.release(chosen[0])
                 self._dispatch(model, trio.current_time())
             raise
         finally:
-            del lane.waiting[waiter.id]
-            if waiting.choice is None:
-                # The client left, or the deadline passed: out of the queue, or of its replica's
-                # wait.
-                lane.queue.cancel(waiter.id)
-                lane.parked.pop(waiter.id, None)
+            del lane.woken[arrival.id]
+            if arrival.id not in lane.chosen:
+                lane.admission.leave(arrival.id)  # the client left, or the deadline passed
             if self.observer is not None:
                 self.observer.on_queue_wait(model, trio.current_time() - now)
-        if waiting.choice is None:
+        chosen = lane.chosen.pop(arrival.id, None)
+        if chosen is None:
             if ready:
                 message = f"No replica of '{model}' had room within {self._queue_timeout:g} s"
             else:
                 message = f"No replica of '{model}' became ready within {self._queue_timeout:g} s"
             raise GatewayError(503, message, code="queue_timeout")
-        return waiting.choice
+        return chosen
 
     def _dispatch(self, model: str, now: float) -> None:
-        """Lets waiters through while a replica they may go to has room: first those waiting
-        for one replica, oldest first, each decided again as loads are now; then the queue."""
         lane = self._lanes[model]
-        if not lane.queue and not lane.parked:
-            return
-        routes = self._router.routes(model)
-        if routes is None:
-            return  # no profile serves it any more: the waiters' deadlines answer them
-        for waiter_id in list(lane.parked):
-            waiting = lane.waiting[waiter_id]
-            decision = self._decide(lane, routes, waiting.prefix, parked=waiter_id)
-            if decision is None:
-                continue  # no replica at all now: it keeps waiting where it was
-            if decision.wait:
-                lane.parked[waiter_id] = decision.choice.order[0]  # keeps its place in line
-            else:
-                del lane.parked[waiter_id]
-                waiting.choice = self._go(model, lane, routes, decision)
-                waiting.woken.set()
-        while lane.queue:
-            candidates = _candidates(routes, lane)
-            if not has_room(candidates):
-                return
-            popped = lane.queue.pop(now)
-            if popped.waiter is None:
-                return
-            waiting = lane.waiting[popped.waiter.id]
-            decision = self._decide(lane, routes, waiting.prefix, candidates=candidates)
-            if decision is None:  # cannot happen while a replica has room; kept waiting if so
-                lane.parked[popped.waiter.id] = ""
-            elif decision.wait:
-                lane.parked[popped.waiter.id] = decision.choice.order[0]
-            else:
-                waiting.choice = self._go(model, lane, routes, decision)
-                waiting.woken.set()
+        if lane.woken:
+            routes = self._router.routes(model)
+            self._wake(model, lane, routes, lane.admission.dispatch(routes, now, self._salt))
 
-    def _decide(
-        self,
-        lane: _Lane,
-        routes: Routes,
-        prefix: bytes | None,
-        parked: int | None = None,
-        candidates: list[Candidate] | None = None,
-    ) -> Decision | None:
-        """core.routing.decide for one request, with the lane's loads (``parked``: the waiter
-        being decided again, whose own wait is not counted; ``candidates``: already built)."""
-        return decide(
-            routes.policy,
-            candidates if candidates is not None else _candidates(routes, lane, leaving=parked),
-            key=prefix,
-            salt=self._salt(),
-            turn=lane.turn,
-            load_factor=routes.load_factor,
-        )
+    def _wake(self, model: str, lane: _Lane, routes: Routes | None, went: Sequence[Go]) -> None:
+        for go in went:
+            assert routes is not None  # nobody goes without routes
+            lane.chosen[go.id] = self._went(model, routes, go)
+            lane.woken[go.id].set()
 
-    def _go(
-        self, model: str, lane: _Lane, routes: Routes, decision: Decision
-    ) -> tuple[str, tuple[Upstream, ...]]:
-        """Charges the chosen replica with the request's slot: the replica, and the upstreams in
-        the order to try them."""
-        choice = decision.choice
-        lane.turn += 1
-        first = choice.order[0]
-        lane.in_flight[first] = lane.in_flight.get(first, 0) + 1
+    def _went(self, model: str, routes: Routes, go: Go) -> tuple[str, tuple[Upstream, ...]]:
+        """The replica charged with a request let through, and the upstreams in the order to
+        try them."""
         if self.observer is not None:
-            self.observer.on_route(model, routes.policy, choice.outcome)
+            self.observer.on_route(model, routes.policy, go.outcome)
         if len(routes.replicas) == 1:
-            return first, (routes.replicas[0].upstream,)
+            return go.replica, (routes.replicas[0].upstream,)
         by_id = {route.replica: route.upstream for route in routes.replicas}
-        return first, tuple(by_id[rid] for rid in choice.order)
-
-    def _release_slot(self, lane: _Lane, replica: str) -> None:
-        # Only busy replicas are kept: replicas come and go over the process's life.
-        left = lane.in_flight[replica] - 1
-        if left:
-            lane.in_flight[replica] = left
-        else:
-            del lane.in_flight[replica]
+        return go.replica, tuple(by_id[rid] for rid in go.order)
 
 
 def _random_salt() -> int:
     return random.getrandbits(32)
-
-
-def _candidates(routes: Routes, lane: _Lane, leaving: int | None = None) -> list[Candidate]:
-    in_flight = lane.in_flight
-    queued: dict[str, int] = {}
-    for waiter_id, replica in lane.parked.items():
-        if waiter_id != leaving:
-            queued[replica] = queued.get(replica, 0) + 1
-    return [
-        Candidate(
-            id=route.replica,
-            slots=route.slots,
-            in_flight=in_flight.get(route.replica, 0),
-            queued=queued.get(route.replica, 0),
-            running=route.load.running if route.load is not None else None,
-            waiting=route.load.waiting if route.load is not None else 0,
-            saturation=route.load.saturation if route.load is not None else 0.0,
-        )
-        for route in routes.replicas
-    ]
 
 
 def _prefix(routes: Routes | None, payload: dict) -> bytes | None:
@@ -419,15 +308,3 @@ def _prefix(routes: Routes | None, payload: dict) -> bytes | None:
 
 
 _LIMIT_NAMES = {"rpm": "requests-per-minute", "tpm": "tokens-per-minute", "tpd": "tokens-per-day"}
-
-
-def estimate_tokens(payload: dict, body_size: int) -> int:
-    """What to reserve before the answer is known: the prompt's size plus the most it may write.
-
-    The prompt's size is taken from the body's: its bytes are nearly all prompt (tool definitions
-    and the like are prompt to the engine too). Encoding the messages again to measure them cost
-    700 µs for 200 KB of conversation."""
-    completion = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    if not isinstance(completion, int) or completion <= 0:
-        completion = DEFAULT_COMPLETION_ESTIMATE
-    return completion + body_size // CHARS_PER_TOKEN + 1
