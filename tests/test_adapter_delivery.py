@@ -30,12 +30,12 @@ from llmgw.core.catalog import (
     with_stored_files,
 )
 from llmgw.core.engines import EngineBinaries, build_plan, validate
-from llmgw.core.pieces import PIECE_BYTES
 from llmgw.core.shard import Adapter, ShardSpec
 from llmgw.core.training import FileDigest
 from llmgw.server.adapters import AdapterDelivery, DeliveryFailed
 from llmgw.server.replicas import ReplicaManager
 from llmgw.wire.messages import AdapterPiece
+from llmgw.wire.pieces import PIECE_BYTES
 from tests import test_supervisor
 from tests.helpers import fake_inventory, start_link_server, wait_for
 from tests.test_supervisor import FAILED, READY, Lab, free_port, start_agent

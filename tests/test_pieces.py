@@ -10,8 +10,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.core.pieces import PIECE_BYTES, file_digest, iter_pieces, piece_count
 from llmgw.wire.codec import MAX_MESSAGE_BYTES, encode
+from llmgw.wire.pieces import PIECE_BYTES, file_digest, iter_pieces, piece_count
 
 
 def test_a_piece_fits_a_link_message_with_room() -> None:

@@ -35,9 +35,9 @@ from llmgw.agent.trainer import (
     progress_due,
     read_record,
 )
-from llmgw.core.pieces import UploadInterrupted
 from llmgw.core.training import JobState, QaPair, TrainParams, TrainSpec
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus
+from llmgw.wire.pieces import UploadInterrupted
 from tests.helpers import DEADLINE, PROJECT_ROOT, wait_for
 
 pytestmark = pytest.mark.slow

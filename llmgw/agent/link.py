@@ -22,7 +22,6 @@ import trio
 from llmgw import __version__
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.liveness import Liveness
-from llmgw.core.pieces import UploadInterrupted
 from llmgw.core.shard import ShardSpec
 from llmgw.core.training import FileDigest, TrainSpec
 from llmgw.wire.h2link import H2Link, LinkClosed, LinkRefused
@@ -50,6 +49,7 @@ from llmgw.wire.messages import (
     StartShard,
     StopShard,
 )
+from llmgw.wire.pieces import UploadInterrupted
 
 log = logging.getLogger(__name__)
 

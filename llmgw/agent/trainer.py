@@ -62,10 +62,10 @@ from llmgw.agent.processes import (
     wait_for_exit,
 )
 from llmgw.agent.train_overlay import Overlay, OverlayFailed
-from llmgw.core.pieces import UploadInterrupted, fileobj_digest, iter_pieces
 from llmgw.core.train_device import Choice, child_threads, choose_device
 from llmgw.core.training import GGUF_FILE, FileDigest, JobState, TrainSpec, dump_pairs
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
+from llmgw.wire.pieces import UploadInterrupted, fileobj_digest, iter_pieces
 
 log = logging.getLogger(__name__)
 

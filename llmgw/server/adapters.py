@@ -6,7 +6,7 @@ files on its node. Before the StartShard, the replica manager has the node get t
 1. PutAdapter (the manifest: each file's name, size and sha256). The agent answers "present"
    when its copy holds exactly those files (then nothing else is sent), or "send".
 2. AdapterPiece messages, each file in order, cut as a job's upload is
-   (:mod:`llmgw.core.pieces`); the link's flow control paces them to the agent's disk.
+   (:mod:`llmgw.wire.pieces`); the link's flow control paces them to the agent's disk.
 3. AdapterDone, answered ok only once every file verified and the copy is in place.
 
 All three on one session: pieces sent on a newer link would continue nothing there, so a link
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import trio
 
-from llmgw.core.pieces import iter_pieces
 from llmgw.core.training import FileDigest
 from llmgw.server.nodes import Session
 from llmgw.wire.h2link import LinkClosed
 from llmgw.wire.messages import AdapterDone, AdapterPiece, CommandResult, PutAdapter
+from llmgw.wire.pieces import iter_pieces
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A job's output files, cut into pieces that travel on the agent link.
+"""Files in pieces on the agent link: a job's output going to the server, an adapter going to a node.
 
 A piece is one link message; the link caps a message at 8 MiB (MAX_MESSAGE_BYTES) and base64
 grows data by 4/3, so a piece stays far below that. Smaller pieces also keep one upload from
