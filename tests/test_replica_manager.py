@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from llmgw.core.catalog import Profile
-from llmgw.core.replica import Replica, ReplicaState
+from llmgw.core.replica import Replica, ReplicaState, state_of_shards
 from llmgw.core.scaling import EngineLoad, LoadSignals, ScalePolicy
+from llmgw.core.shard import ShardSpec
+from llmgw.server.nodes import Shard
 from llmgw.server.replicas import ReplicaManager
+from llmgw.wire.messages import RunningShard, ShardState
 
 POLICY = ScalePolicy()
 
@@ -80,3 +83,59 @@ def test_an_adopted_replica_is_wanted_even_below_min_replicas():
         "holding at 1: no requests and no replica is Ready; the last replica "
         "stays until 900 s without a request (idle 0 s)",
     )
+
+
+class FakeNode:
+    """What the shell reads of a registered node."""
+
+    def __init__(self, name: str, shards: list) -> None:
+        self.name = name
+        self.connected = True
+        self.registrations = 1
+        self.shards = {shard.shard_id: shard for shard in shards}
+
+
+class FakeRegistry:
+    def __init__(self) -> None:
+        self.nodes: list[FakeNode] = []
+
+    def list(self) -> list[FakeNode]:
+        return self.nodes
+
+
+def reported_rank(rank: int, node: str) -> Shard:
+    spec = ShardSpec(
+        shard_id=f"r-1-s{rank}",
+        replica_id="r-1",
+        profile="chat",
+        model="m",
+        model_path="/m",
+        engine="vllm",
+        nodes=2,
+        rank=rank,
+        port=20000,
+        rendezvous_port=20001,
+    )
+    return Shard.from_running(RunningShard(spec=spec, state=ShardState.READY, pid=10 + rank), now=0.0)
+
+
+def test_an_adopted_replica_is_not_ready_until_its_rank_0_reports():
+    """After a server restart, the headless rank 1 (Ready by staying alive, no HTTP) reports
+    first: its replica must not be Ready, or the gateway would route to a rank that serves
+    nothing. Once rank 0 reports too, it is."""
+    registry = FakeRegistry()
+    m = ReplicaManager(registry=registry, catalog=Catalog(profile(nodes=2)), engine_secret=None)
+    registry.nodes = [FakeNode("n2", [reported_rank(1, "n2")])]
+    m._adopt_reported(now=0.0)
+    m._follow_reports()
+    (record,) = m._records.values()
+    assert [s.rank for s in record.shards] == [1]
+    assert record.state == ReplicaState.STARTING
+    assert state_of_shards(s.state for s in record.shards) == ReplicaState.STARTING
+
+    registry.nodes.append(FakeNode("n1", [reported_rank(0, "n1")]))
+    m._adopt_reported(now=1.0)
+    m._follow_reports()
+    (record,) = m._records.values()
+    assert [s.rank for s in record.shards] == [0, 1]
+    assert state_of_shards(s.state for s in record.shards) == ReplicaState.READY

@@ -91,6 +91,10 @@ class ReplicaManager:
         # from a later registration's list is gone (the agent restarted without it).
         self._started_under: dict[str, int] = {}
         self._stopping: set[tuple[str, str]] = set()  # (node, shard id) with a stop on its way
+        # Adopted multi-node replicas not every rank of which has reported yet, and how many
+        # nodes they span: such a replica cannot be Ready, whatever its reported ranks say (a
+        # headless rank 1 is Ready by staying alive, yet serves no HTTP).
+        self._partial: dict[str, int] = {}
         # Why each Pending replica fits on no node: (node, reason) for every node, as of the
         # last pass that could not place it. The record keeps only the summary line.
         self._candidates: dict[str, tuple[tuple[str, str], ...]] = {}
@@ -254,7 +258,9 @@ class ReplicaManager:
                 record = self._records.get(spec.replica_id)
                 if record is None:
                     adopted.add(spec.profile)
+                    self._partial[spec.replica_id] = spec.nodes
                 shards = tuple(sorted((*(record.shards if record else ()), piece), key=lambda s: s.rank))
+                shards = self._held_back(spec.replica_id, shards)
                 state = state_of_shards(s.state for s in shards)
                 self._records[spec.replica_id] = Replica(
                     id=spec.replica_id,
@@ -287,11 +293,28 @@ class ReplicaManager:
         current, state = self._wanted.get(profile.name, (profile.min_replicas, ScaleState()))
         self._wanted[profile.name] = (max(current, min(running, profile.max_replicas)), state)
 
+    def _held_back(self, replica_id: str, shards: tuple[ReplicaShard, ...]) -> tuple[ReplicaShard, ...]:
+        """``shards``, with Ready and Loading taken back to Starting while some rank of an
+        adopted replica has not reported."""
+        nodes = self._partial.get(replica_id)
+        if nodes is None:
+            return shards
+        if len({s.rank for s in shards}) >= nodes:
+            del self._partial[replica_id]
+            return shards
+        waiting = ShardState.STARTING
+        return tuple(
+            attrs.evolve(s, state=waiting) if s.state in (ShardState.READY, ShardState.LOADING) else s
+            for s in shards
+        )
+
     def _follow_reports(self) -> None:
         """Each record's shards take the state their agents report."""
         nodes = {node.name: node for node in self._registry.list()}
+        self._partial = {rid: n for rid, n in self._partial.items() if rid in self._records}
         for record in list(self._records.values()):
             shards = tuple(self._reported_state(piece, nodes.get(piece.node)) for piece in record.shards)
+            shards = self._held_back(record.id, shards)
             if shards != record.shards:
                 self._records[record.id] = attrs.evolve(record, shards=shards)
 
