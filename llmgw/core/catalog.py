@@ -16,21 +16,16 @@ from collections.abc import Mapping
 
 import attrs
 
+from llmgw.core.engines import registry
+from llmgw.core.engines.descriptor import Engine
+from llmgw.core.engines.registry import LAUNCHERS
 from llmgw.core.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES
-from llmgw.core.shard import ENGINES, LAUNCHERS, Adapter, ShardSpec
-from llmgw.core.training import ADAPTER_NAME, GGUF_FILE, PEFT_FILES, FileDigest
+from llmgw.core.shard import Adapter, ShardSpec
+from llmgw.core.training import ADAPTER_NAME, GGUF_FILE, FileDigest
 
 frozen = attrs.frozen(kw_only=True)
 
 MODEL_FORMATS = ("gguf", "safetensors")
-# What each engine loads of a stored adapter: llama.cpp one GGUF file (--lora FILE), vLLM and
-# SGLang peft's directory (name=DIR), of which they read these two files.
-ENGINE_ADAPTER_FILES = {
-    "llamacpp": (GGUF_FILE,),
-    "vllm": PEFT_FILES,
-    "sglang": PEFT_FILES,
-}
-_DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 
 # Names travel in URLs, table columns, log lines and one-line errors, so no spaces or control
 # characters; '/' and ':' stay allowed because clients know models by hub ids ("org/model") and
@@ -50,8 +45,8 @@ class Model:
 class Profile:
     name: str
     model: str  # a Model's name
-    engine: str  # one of ENGINES
-    gpu_class: str | None  # e.g. "l40s-45g"; None = runs on the CPU (llama.cpp only)
+    engine: str  # a name in llmgw.core.engines.ENGINES
+    gpu_class: str | None  # e.g. "l40s-45g"; None = runs on the CPU (an engine that can)
     gpus_per_node: int = 0
     nodes: int = 1
     tensor_parallel: int = 1
@@ -59,7 +54,7 @@ class Profile:
     # MiB per GPU for a GPU profile; host memory for a CPU profile.
     memory_mib: int
     cpu_cores: int = 1  # CPU profiles only: a GPU profile's host needs are not modelled
-    launcher: str = "mp"  # one of LAUNCHERS
+    launcher: str = "mp"  # one of the engine's launchers
     flags: tuple[str, ...] = ()  # extra argv tokens for the engine
     adapters: tuple[Adapter, ...] = ()
     ctx_size: int | None = None
@@ -135,19 +130,22 @@ def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[
     model = models.get(profile.model)
     if model is None:
         reasons.append(("model", f"no model named {profile.model!r} in the catalog"))
-    if profile.engine not in ENGINES:
-        reasons.append(("engine", f"{profile.engine!r} is not one of {', '.join(ENGINES)}"))
+    engine = registry.ENGINES.get(profile.engine)
+    if engine is None:
+        reasons.append(("engine", f"{profile.engine!r} is not one of {', '.join(registry.ENGINES)}"))
         return reasons
-    engine = _DISPLAY_NAMES[profile.engine]
+    name = engine.display_name
     if profile.launcher not in LAUNCHERS:
         reasons.append(("launcher", f"{profile.launcher!r} is not one of {', '.join(LAUNCHERS)}"))
-    elif profile.launcher == "ray" and profile.engine != "vllm":
-        reasons.append(("launcher", f"'ray' is for vLLM only; {engine} starts its own ranks"))
-    if profile.engine == "llamacpp":
-        if profile.nodes > 1:
-            reasons.append(("nodes", f"llama.cpp runs on one node, not {profile.nodes}"))
-        if model is not None and model.format != "gguf":
-            reasons.append(("model", f"llama.cpp loads gguf, and {model.name!r} is {model.format}"))
+    elif profile.launcher not in engine.launchers:
+        owners = registry.display_names(registry.with_launcher(profile.launcher))
+        reasons.append(
+            ("launcher", f"{profile.launcher!r} is for {owners} only; {name} starts its own ranks")
+        )
+    if not engine.multi_node and profile.nodes > 1:
+        reasons.append(("nodes", f"{name} runs on one node, not {profile.nodes}"))
+    if engine.only_format and model is not None and model.format != engine.only_format:
+        reasons.append(("model", f"{name} loads {engine.only_format}, and {model.name!r} is {model.format}"))
     if profile.gpu_class is None:
         reasons.extend(_cpu_reasons(profile, engine))
     else:
@@ -208,7 +206,8 @@ def served_files(
             f"stored adapter {source!r} was trained for model {stored.model!r}, not {model!r}"
         )
     by_name = {f.name: f for f in stored.files}
-    needed = ENGINE_ADAPTER_FILES.get(engine, ())
+    known = registry.ENGINES.get(engine)
+    needed = known.adapter_files if known is not None else ()
     missing = [name for name in needed if name not in by_name]
     if missing == [GGUF_FILE]:
         raise AdapterUnavailable(
@@ -270,9 +269,9 @@ def _bounds(profile: Profile) -> list[tuple[str, str]]:
     return reasons
 
 
-def _cpu_reasons(profile: Profile, engine: str) -> list[tuple[str, str]]:
-    if profile.engine != "llamacpp":
-        return [("gpu_class", f"{engine} needs GPUs and none is set (only llama.cpp runs on the CPU)")]
+def _cpu_reasons(profile: Profile, engine: Engine) -> list[tuple[str, str]]:
+    if not engine.runs_on_cpu:
+        return [("gpu_class", f"{engine.display_name} needs GPUs and none is set ({registry.only_on_cpu()})")]
     reasons = []
     if profile.gpus_per_node:
         reasons.append(

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from llmgw.core.engines import EngineBinaries, build_plan
-from llmgw.core.shard import Adapter, Fabric, GpuRef, ShardSpec
+from llmgw.core.engines import DEFAULT_BINARIES, ENGINES, EngineBinaries, build_plan, get
+from llmgw.core.shard import ShardSpec
 
 # An option token: a dash or two, then a name that ends in a letter or digit. Neither a word
 # character nor a dash may touch it on either side, so "--port" is not found in "--port-range".
@@ -20,25 +20,13 @@ OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*(?<=[A-Za-z0-9]))(?![\w-])")
 # Where a definition line's option list ends: a run of spaces before the description.
 _DESCRIPTION = re.compile(r"\s{2,}(?=[^\s-])")
 
-# argv tokens before the engine's own options: `vllm serve <model>`, `python -m sglang.launch_server`
-# (whose "-m" is the interpreter's, not SGLang's), `llama-server`.
-ENGINE_ARGV_PREFIX = {"vllm": 3, "sglang": 3, "llamacpp": 1}
-
-# Fewer help lines than this means the text was probably cut (a pager, a pipe closed early, a
-# terminal scroll-back): a llama.cpp help cut to 400 of its lines once reported five live flags as
-# missing. Each is about four fifths of what the release llmgw's builders follow prints, so a
-# release that trims its help a little does not warn, and a cut one does.
-LLAMACPP_MIN_HELP_LINES = 600  # build 11434 prints 736
-VLLM_MIN_HELP_LINES = 1000  # 0.33.0 `serve --help=all` prints 1293; plain `--help` only 34
-SGLANG_MIN_HELP_LINES = 1100  # 0.5.23 `launch_server --help` prints 1436
-MIN_HELP_LINES = {
-    "llamacpp": LLAMACPP_MIN_HELP_LINES,
-    "vllm": VLLM_MIN_HELP_LINES,
-    "sglang": SGLANG_MIN_HELP_LINES,
-}
-_TRUNCATION_HINTS = {
-    "vllm": "; plain `vllm serve --help` lists only option groups: use `--help=all`",
-}
+# Per engine (its descriptor's HelpCheck): the argv tokens before the engine's own options, and
+# the fewest help lines of a help that was not cut. A llama.cpp help cut to 400 of its lines once
+# reported five live flags as missing; each minimum is about four fifths of what the release
+# llmgw's builders follow prints, so a release that trims its help a little does not warn, and a
+# cut one does.
+ENGINE_ARGV_PREFIX = {name: engine.help.argv_prefix for name, engine in ENGINES.items()}
+MIN_HELP_LINES = {name: engine.help.min_help_lines for name, engine in ENGINES.items()}
 
 
 @attrs.frozen(kw_only=True)
@@ -97,62 +85,19 @@ def check(argv_list: Iterable[Sequence[str]], help_text: str, *, engine: str) ->
 
 def truncation_warning(help_text: str, engine: str) -> str | None:
     lines = len(help_text.splitlines())
-    expected = MIN_HELP_LINES[engine]
-    if lines >= expected:
+    check = get(engine).help
+    if lines >= check.min_help_lines:
         return None
     return (
-        f"the help has {lines} lines, fewer than the {expected} expected: it looks truncated, so "
-        f"flags reported missing may be there{_TRUNCATION_HINTS.get(engine, '')}"
+        f"the help has {lines} lines, fewer than the {check.min_help_lines} expected: it looks truncated, "
+        f"so flags reported missing may be there{check.truncation_hint}"
     )
 
 
 # --- the widest commands llmgw produces ------------------------------------------------------------
 
-# Placeholder values: only the flags matter. A key is given so that SGLang's --api-key is emitted.
+# A key is given so that SGLang's --api-key is emitted.
 _KEY = "engine-check-placeholder-key"
-_ADAPTERS = (Adapter(name="a1", path="/adapters/a1"), Adapter(name="a2", path="/adapters/a2"))
-_IB = Fabric(kind="ib", hcas=("mlx5_0",))
-
-
-def _h100(index: int) -> GpuRef:
-    return GpuRef(index=index, uuid=f"GPU-{index}", gpu_class="h100-80g", compute_capability="9.0")
-
-
-def _base(engine: str, **changes: object) -> ShardSpec:
-    # Every optional setting on: each adds its flag. extra_flags stay empty: they are the
-    # profile's, not llmgw's, and a profile's author checks them against their own engine.
-    base = ShardSpec(
-        shard_id="check-s0",
-        replica_id="check",
-        model="check-model",
-        model_path="/models/check",
-        engine=engine,
-        gpus=(_h100(0), _h100(1)),
-        tensor_parallel=2,
-        node_address="10.0.0.1",
-        mgmt_interface="eth0",
-        port=8100,
-        ctx_size=8192,
-        parallel=16,
-        dtype="bfloat16",
-        quantization="fp8",
-        adapters=_ADAPTERS,
-    )
-    return attrs.evolve(base, **changes)
-
-
-def _two_nodes(engine: str, rank: int, **changes: object) -> ShardSpec:
-    return _base(
-        engine,
-        nodes=2,
-        rank=rank,
-        leader_address="10.0.0.1",
-        node_address=f"10.0.0.{rank + 1}",
-        rendezvous_port=29500,
-        pipeline_parallel=2,
-        fabric=_IB,
-        **changes,
-    )
 
 
 def widest_specs() -> dict[str, tuple[tuple[str, ShardSpec], ...]]:
@@ -160,30 +105,7 @@ def widest_specs() -> dict[str, tuple[tuple[str, ShardSpec], ...]]:
 
     Multi-node included: a flag only a second node uses is the one nobody sees go missing.
     """
-    llama = {"model_path": "/models/check.gguf", "dtype": None, "quantization": None}
-    llama_adapters = (
-        Adapter(name="a1", path="/adapters/a1.gguf"),
-        Adapter(name="a2", path="/adapters/a2.gguf"),
-    )
-    return {
-        "llamacpp": (
-            (
-                "llama.cpp on GPUs",
-                _base("llamacpp", **llama, gpus=(_h100(0),), tensor_parallel=1, adapters=llama_adapters),
-            ),
-            ("llama.cpp on the CPU", _base("llamacpp", **llama, gpus=(), tensor_parallel=1, cpu_threads=2)),
-        ),
-        "vllm": (
-            ("vLLM mp 2 nodes, rank 0", _two_nodes("vllm", 0)),
-            ("vLLM mp 2 nodes, rank 1 (headless)", _two_nodes("vllm", 1)),
-            ("vLLM Ray 2 nodes, leader", _two_nodes("vllm", 0, launcher="ray")),
-            ("vLLM Ray 2 nodes, worker", _two_nodes("vllm", 1, launcher="ray")),
-        ),
-        "sglang": (
-            ("SGLang 2 nodes, rank 0", _two_nodes("sglang", 0)),
-            ("SGLang 2 nodes, rank 1", _two_nodes("sglang", 1)),
-        ),
-    }
+    return {name: engine.help.widest_specs for name, engine in ENGINES.items()}
 
 
 def widest_commands(engine: str, binaries: EngineBinaries | None = None) -> tuple[CheckedCommand, ...]:
@@ -192,10 +114,11 @@ def widest_commands(engine: str, binaries: EngineBinaries | None = None) -> tupl
     Only commands named "engine" are the engine's: a Ray worker node runs `ray start` alone, whose
     flags are Ray's, not vLLM's.
     """
-    binaries = binaries or EngineBinaries()
-    prefix = ENGINE_ARGV_PREFIX[engine]
+    binaries = binaries or DEFAULT_BINARIES
+    check = get(engine).help
+    prefix = check.argv_prefix
     commands = []
-    for label, spec in widest_specs()[engine]:
+    for label, spec in check.widest_specs:
         plan = build_plan(spec, engine_key=_KEY, binaries=binaries)
         commands += [
             CheckedCommand(label=label, options=c.argv[prefix:]) for c in plan.commands if c.name == "engine"

@@ -17,10 +17,6 @@ from llmgw.core.training import FileDigest
 
 frozen = attrs.frozen(kw_only=True)
 
-ENGINES = ("vllm", "sglang", "llamacpp")
-# How vLLM starts its ranks: its own multiprocessing (with --nnodes across nodes), or a Ray
-# cluster made of one head and one worker per node. SGLang and llama.cpp know only the first.
-LAUNCHERS = ("mp", "ray")
 # "" = no RDMA fabric chosen: collectives go over TCP on the management interface.
 FABRIC_KINDS = ("", "ib", "roce")
 
@@ -33,6 +29,9 @@ class GpuRef:
     uuid: str
     gpu_class: str  # e.g. "h100-80g"
     compute_capability: str  # "8.9"
+    # The card's memory, as discovery reports it: what an engine's share of the card is a share
+    # of. 0: unknown (a spec from before this field), and the engine takes its default share.
+    memory_total_mib: int = 0
 
 
 @frozen
@@ -70,8 +69,8 @@ class ShardSpec:
     profile: str = ""
     model: str  # the name clients use
     model_path: str  # weights on the node: a directory, a .gguf file, or a hub id
-    engine: str  # one of ENGINES
-    launcher: str = "mp"  # one of LAUNCHERS; "ray" is vLLM only
+    engine: str  # a name in llmgw.core.engines.ENGINES
+    launcher: str = "mp"  # one of the engine's launchers (llmgw.core.engines)
     gpus: tuple[GpuRef, ...] = ()  # this node's GPUs for the shard; empty = CPU
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
@@ -91,6 +90,10 @@ class ShardSpec:
     # A CPU shard's cores, as placement reserved them: the engine's threads. None: the engine's
     # own default (every core), for a GPU shard or a spec from before this field.
     cpu_threads: int | None = None
+    # MiB of each of ``gpus`` that placement reserved for the shard: the engine is told to stay
+    # within it, so that a neighbour placed on the rest of the card has it. None: the engine's
+    # own default share, for a CPU shard or a spec from before this field.
+    gpu_memory_mib: int | None = None
     dtype: str | None = None
     quantization: str | None = None  # e.g. "fp8"
     extra_flags: tuple[str, ...] = ()  # the profile's flags, as argv tokens

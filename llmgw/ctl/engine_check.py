@@ -18,12 +18,10 @@ import attrs
 from rich.text import Text
 
 from llmgw.config import default_home
-from llmgw.core import flags
+from llmgw.core import engines, flags
 from llmgw.ctl import gpu_token, render
 from llmgw.ctl.client import CtlError
 
-ENGINES = ("llamacpp", "vllm", "sglang")
-DISPLAY = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
 # vLLM and SGLang import torch before printing anything: tens of seconds on a cold cache.
 HELP_TIMEOUT_S = 120.0
 # Wide enough that no option list wraps onto a line of its own; no escape codes among the flags.
@@ -76,7 +74,7 @@ def add_parser(commands, add) -> None:
         "check every flag llmgw gives an engine against the installed engine's --help",
         run,
     )
-    parser.add_argument("--engine", choices=(*ENGINES, "all"), default="all", help="default: all")
+    parser.add_argument("--engine", choices=(*engines.ENGINES, "all"), default="all", help="default: all")
     parser.add_argument(
         "--help-file",
         type=Path,
@@ -95,9 +93,17 @@ def add_parser(commands, add) -> None:
         default=default_home() / "agent" / "engines",
         help="builds laid out as DIR/<version-variant>/llama-<build>/ (default: %(default)s)",
     )
-    parser.add_argument("--vllm", default="vllm", metavar="PATH", help="the vllm command (default: vllm)")
     parser.add_argument(
-        "--python", default="python3", metavar="PATH", help="the Python that has sglang (default: python3)"
+        "--vllm",
+        default=engines.DEFAULT_BINARIES.vllm,
+        metavar="PATH",
+        help="the vllm command (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--python",
+        default=engines.DEFAULT_BINARIES.python,
+        metavar="PATH",
+        help="the Python that has sglang (default: %(default)s)",
     )
     parser.add_argument(
         "--gpu-token",
@@ -117,10 +123,10 @@ def add_parser(commands, add) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    engines = ENGINES if args.engine == "all" else (args.engine,)
-    if args.help_file is not None and len(engines) != 1:
+    names = tuple(engines.ENGINES) if args.engine == "all" else (args.engine,)
+    if args.help_file is not None and len(names) != 1:
         raise CtlError("--help-file is one engine's help: say which with --engine")
-    reports = [_check(engine, args) for engine in engines]
+    reports = [_check(name, args) for name in names]
     checked = [r for r in reports if r.result is not None]
     # A named engine that cannot be checked fails; under "all", engines this node lacks are
     # reported and left out, but at least one must have been checked.
@@ -176,18 +182,21 @@ def _read_help_file(path: Path) -> HelpText:
 
 
 def _run_help(engine: str, args: argparse.Namespace) -> HelpText:
-    if engine == "llamacpp":
-        binary, how = find_llama_server(args.llama_server, args.engines_dir)
-        version = _version([binary, "--version"])
-        return HelpText(text=_output([binary, "--help"]), source=f"{binary} ({how})", version=version)
-    if engine == "vllm":
-        # Plain `--help` lists only the option groups.
-        command = [args.vllm, "serve", "--help=all"]
-        version = _version([args.vllm, "--version"])
-    else:
-        command = [args.python, "-m", "sglang.launch_server", "--help"]
-        version = _version([args.python, "-c", "import sglang; print(sglang.__version__)"])
-    return HelpText(text=_output(command), source=" ".join(command), version=version)
+    check = engines.get(engine).help
+    program, how = _program(check.program, args)
+    command = [program, *check.help_args]
+    version = _version([program, *check.version_args])
+    source = f"{program} ({how})" if how else " ".join(command)
+    return HelpText(text=_output(command), source=source, version=version)
+
+
+def _program(binary: str, args: argparse.Namespace) -> tuple[str, str]:
+    """The program named by the EngineBinaries field ``binary``, from the flag of the same name,
+    and how it was found ("" when the flag gave it)."""
+    if binary == "llama_server":
+        # Agents run a build from their engines dir or the packaged one: looked up as they do.
+        return find_llama_server(args.llama_server, args.engines_dir)
+    return getattr(args, binary), ""
 
 
 def find_llama_server(explicit: str | None, engines_dir: Path) -> tuple[str, str]:
@@ -283,7 +292,7 @@ def _version(command: list[str]) -> str:
 def _print(reports: list[EngineReport], ok: bool) -> None:
     console = render.make_console()
     for report in reports:
-        name = DISPLAY[report.engine]
+        name = engines.get(report.engine).display_name
         if report.skipped:
             console.print(Text(f"{name}: not checked: {report.skipped}", style="yellow"))
             continue

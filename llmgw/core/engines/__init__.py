@@ -1,25 +1,36 @@
-"""Engine adapters: a shard spec becomes the ordered commands that run it on its node.
+"""Engines: what llmgw knows of each (one descriptor per engine), and a shard spec made into the
+ordered commands that run it on its node.
 
 Pure functions of the spec: no processes are started here (the agent's supervisor does that), so
-every engine's command line, multi-node included, is tested without the engine or a GPU.
+every engine's command line, multi-node included, is tested without the engine or a GPU. Other
+modules look an engine up here (``get``, ``ENGINES``) rather than naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from llmgw.core.engines import llamacpp, sglang, vllm
 from llmgw.core.engines.common import EngineBinaries
+from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck
+from llmgw.core.engines.registry import ENGINES, LAUNCHERS, UnknownEngine, get
 from llmgw.core.engines.validate import InvalidShard, validate
 from llmgw.core.shard import LaunchPlan, ShardSpec
 
-__all__ = ["EngineBinaries", "InvalidShard", "build_plan", "validate"]
+__all__ = [
+    "DEFAULT_BINARIES",
+    "ENGINES",
+    "LAUNCHERS",
+    "Engine",
+    "EngineBinaries",
+    "EngineMetrics",
+    "HelpCheck",
+    "InvalidShard",
+    "UnknownEngine",
+    "build_plan",
+    "get",
+    "validate",
+]
 
-_PLANNERS: dict[str, Callable[..., LaunchPlan]] = {
-    "vllm": vllm.plan,
-    "sglang": sglang.plan,
-    "llamacpp": llamacpp.plan,
-}
+# How engines are invoked when nothing says otherwise: names on PATH.
+DEFAULT_BINARIES = EngineBinaries()
 
 
 def build_plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -31,4 +42,4 @@ def build_plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinar
     reasons = validate(spec)
     if reasons:
         raise InvalidShard(reasons)
-    return _PLANNERS[spec.engine](spec, engine_key=engine_key, binaries=binaries)
+    return get(spec.engine).plan(spec, engine_key=engine_key, binaries=binaries)

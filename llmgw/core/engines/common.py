@@ -61,3 +61,36 @@ def collective_env(spec: ShardSpec) -> dict[str, str]:
         # NCCL's default GID is a RoCE v1 link-local entry on most hosts, which does not route.
         env["NCCL_IB_GID_INDEX"] = str(fabric.gid_index)
     return env
+
+
+def reserved_share(spec: ShardSpec, *, set_aside: float = 0.0, cap: float = 1.0) -> int | None:
+    """The share of each of the shard's cards that placement reserved for it, in hundredths;
+    None when the reservation or the card's memory is unknown (the engine keeps its default).
+
+    ``set_aside`` (a share of the card) is taken off first, for memory the engine uses beyond what
+    its flag governs; ``cap`` bounds the result. Rounded down: a share rounded up would let the
+    engine past the reservation, into a neighbour's memory.
+    """
+    if spec.gpu_memory_mib is None or not spec.gpus:
+        return None
+    # A tensor-parallel group is one GPU class; the smallest card bounds them all regardless.
+    card_mib = min(gpu.memory_total_mib for gpu in spec.gpus)
+    if card_mib <= 0:
+        return None
+    share = (spec.gpu_memory_mib * 100 - round(set_aside * 100) * card_mib) // card_mib
+    return max(0, min(share, round(cap * 100)))
+
+
+def as_fraction(hundredths: int) -> str:
+    """Hundredths as the engines' fraction flags take them: 49 → "0.49"."""
+    return f"{hundredths // 100}.{hundredths % 100:02d}"
+
+
+def fp8_dtype_reasons(spec: ShardSpec, display_name: str) -> list[str]:
+    """For an engine whose --dtype choices have no fp8 (it takes fp8 as a quantization)."""
+    if spec.dtype is not None and "fp8" in spec.dtype.lower():
+        return [
+            f"dtype {spec.dtype!r} is not a --dtype choice of {display_name}, which takes fp8 "
+            "as a quantization: set quantization 'fp8' instead"
+        ]
+    return []

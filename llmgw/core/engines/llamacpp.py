@@ -5,8 +5,13 @@ Flags are those of llama-server build 11434's help.
 
 from __future__ import annotations
 
+from llmgw.core.engines import samples
 from llmgw.core.engines.common import LISTEN_ALL, EngineBinaries, device_env
-from llmgw.core.shard import Command, LaunchPlan, ShardSpec
+from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck
+from llmgw.core.shard import Adapter, Command, LaunchPlan, ShardSpec
+from llmgw.core.training import GGUF_FILE, FileDigest
+
+DISPLAY_NAME = "llama.cpp"
 
 # More layers than any model has: every layer on the GPUs. A number rather than "all", which
 # older builds do not know.
@@ -47,3 +52,70 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
         serves_http=True,
     )
     return LaunchPlan(commands=(engine,), health_port=spec.port)
+
+
+def validate(spec: ShardSpec) -> list[str]:
+    reasons = []
+    if spec.nodes > 1:
+        reasons.append(f"llama.cpp runs on one node, and this shard spans {spec.nodes}")
+    for field, value in (("dtype", spec.dtype), ("quantization", spec.quantization)):
+        if value is not None:
+            reasons.append(
+                f"llama.cpp takes its quantization from the GGUF file; {field} {value!r} cannot apply"
+            )
+    if not spec.model_path.endswith(".gguf"):
+        reasons.append(f"llama.cpp loads a .gguf file, and model_path {spec.model_path!r} is not one")
+    # llama.cpp splits --alias and --lora values at commas.
+    if "," in spec.model:
+        reasons.append(f"model name {spec.model!r} holds a comma, which llama.cpp reads as two aliases")
+    for adapter in spec.adapters:
+        if "," in adapter.path:
+            reasons.append(
+                f"adapter path {adapter.path!r} holds a comma, which llama.cpp reads as two adapters"
+            )
+    return reasons
+
+
+def adapter_path(directory: str, files: tuple[FileDigest, ...]) -> str:
+    """llama.cpp is given the copy's GGUF file (--lora FILE), not its directory."""
+    gguf = next((f.name for f in files if f.name.endswith(".gguf")), GGUF_FILE)
+    return f"{directory}/{gguf}"
+
+
+_CHECK = {"model_path": "/models/check.gguf", "dtype": None, "quantization": None}
+_CHECK_ADAPTERS = (Adapter(name="a1", path="/adapters/a1.gguf"), Adapter(name="a2", path="/adapters/a2.gguf"))
+
+ENGINE = Engine(
+    name="llamacpp",
+    display_name=DISPLAY_NAME,
+    plan=plan,
+    validate=validate,
+    runs_on_cpu=True,
+    multi_node=False,
+    only_format="gguf",
+    # --lora takes a path alone; the adapter's name is llmgw's.
+    adapters_as_name_eq_path=False,
+    adapter_files=(GGUF_FILE,),
+    adapter_path=adapter_path,
+    # llama-server b11434 with --metrics has no KV gauge: saturation comes from its slots.
+    metrics=EngineMetrics("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    help=HelpCheck(
+        program="llama_server",
+        help_args=("--help",),
+        version_args=("--version",),
+        argv_prefix=1,  # `llama-server`
+        min_help_lines=600,  # build 11434 prints 736
+        widest_specs=(
+            (
+                "llama.cpp on GPUs",
+                samples.base(
+                    "llamacpp", **_CHECK, gpus=(samples.h100(0),), tensor_parallel=1, adapters=_CHECK_ADAPTERS
+                ),
+            ),
+            (
+                "llama.cpp on the CPU",
+                samples.base("llamacpp", **_CHECK, gpus=(), tensor_parallel=1, cpu_threads=2),
+            ),
+        ),
+    ),
+)

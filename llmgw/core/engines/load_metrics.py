@@ -1,4 +1,5 @@
-"""Where each engine's /metrics says how loaded it is: one table for the agent and the server.
+"""Where each engine's /metrics says how loaded it is (its descriptor's ``metrics``): one table
+for the agent and the server.
 
 The server's scraper reads running, waiting and KV fill from it (routing and scaling); the
 agent's drain waits until the running and waiting requests are none. Both read the same names,
@@ -7,34 +8,14 @@ so an engine's metrics are named once.
 
 from __future__ import annotations
 
-import attrs
+from llmgw.core.engines.descriptor import EngineMetrics
+from llmgw.core.engines.registry import ENGINES
 
-
-@attrs.frozen
-class EngineMetrics:
-    """How to read one engine's load from its Prometheus names (as the parser reports them)."""
-
-    engine: str
-    running: str
-    waiting: str
-    saturation: tuple[str, ...] = ()  # the first one present wins; empty: the engine has none
-
+__all__ = ["BUSY_METRICS", "ENGINE_METRICS", "EngineMetrics", "busy_requests"]
 
 # Checked in order; the first whose running metric is present is the engine. Gauges keep their
 # names through prometheus_client's parser, colons included (only counters lose ``_total``).
-ENGINE_METRICS = (
-    # vLLM < 0.10 called its KV gauge gpu_cache_usage_perc.
-    EngineMetrics(
-        "vllm",
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    ),
-    # Only exposed with --enable-metrics; token_usage is the KV pool's fill, 0..1.
-    EngineMetrics("sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)),
-    # llama-server b11434 with --metrics has no KV gauge: saturation comes from its slots.
-    EngineMetrics("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
-)
+ENGINE_METRICS = tuple(engine.metrics for engine in ENGINES.values())
 
 
 # Requests an engine holds, running or queued, by engine: a drain waits for all of them.

@@ -6,8 +6,26 @@ only through argparse's prefix matching, which a future flag starting with ``--t
 
 from __future__ import annotations
 
-from llmgw.core.engines.common import LISTEN_ALL, EngineBinaries, collective_env, device_env
+from llmgw.core.engines import samples
+from llmgw.core.engines.common import (
+    LISTEN_ALL,
+    EngineBinaries,
+    as_fraction,
+    collective_env,
+    device_env,
+    fp8_dtype_reasons,
+    reserved_share,
+)
+from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck, directory_of_copy
 from llmgw.core.shard import Command, LaunchPlan, ShardSpec
+from llmgw.core.training import PEFT_FILES
+
+DISPLAY_NAME = "SGLang"
+# --mem-fraction-static governs only SGLang's static pool (weights and KV cache); activations and
+# CUDA-graph buffers come on top. Its own default keeps room for them outside the pool: at least
+# 10 GiB on a card above 60 GiB, by its estimate about a sixth of an 80 GB card. As much is taken
+# off the reservation, so that the whole process stays inside what placement reserved.
+OUTSIDE_STATIC_SHARE = 0.17
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -28,6 +46,10 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
             "--node-rank", str(spec.rank),
             "--dist-init-addr", f"{spec.leader_address}:{spec.rendezvous_port}",
         ]  # fmt: skip
+    share = memory_share(spec)
+    if share is not None:
+        # By default SGLang sizes its pool to most of the card, whatever placement reserved.
+        builtins += ["--mem-fraction-static", as_fraction(share)]
     if spec.ctx_size is not None:
         builtins += ["--context-length", str(spec.ctx_size)]
     if spec.parallel is not None:
@@ -50,3 +72,47 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
         serves_http=serves_http,
     )
     return LaunchPlan(commands=(engine,), health_port=spec.port if serves_http else None)
+
+
+def memory_share(spec: ShardSpec) -> int | None:
+    """The static pool's share of each card, in hundredths: the reservation less what SGLang
+    uses outside the pool."""
+    return reserved_share(spec, set_aside=OUTSIDE_STATIC_SHARE)
+
+
+def validate(spec: ShardSpec) -> list[str]:
+    reasons = fp8_dtype_reasons(spec, DISPLAY_NAME)
+    if memory_share(spec) == 0:
+        card_mib = min(gpu.memory_total_mib for gpu in spec.gpus)
+        reasons.append(
+            f"{spec.gpu_memory_mib:,} MiB reserved per GPU leaves {DISPLAY_NAME} no static pool once "
+            f"{OUTSIDE_STATIC_SHARE:.0%} of the {card_mib:,} MiB card is set aside for its activations "
+            "and CUDA graphs: reserve more memory per GPU"
+        )
+    return reasons
+
+
+ENGINE = Engine(
+    name="sglang",
+    display_name=DISPLAY_NAME,
+    plan=plan,
+    validate=validate,
+    adapter_files=PEFT_FILES,
+    adapter_path=directory_of_copy,
+    # Only exposed with --enable-metrics; token_usage is the KV pool's fill, 0..1.
+    metrics=EngineMetrics(
+        "sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)
+    ),
+    help=HelpCheck(
+        program="python",
+        help_args=("-m", "sglang.launch_server", "--help"),
+        version_args=("-c", "import sglang; print(sglang.__version__)"),
+        # `python -m sglang.launch_server`, whose "-m" is the interpreter's, not SGLang's.
+        argv_prefix=3,
+        min_help_lines=1100,  # 0.5.23 `launch_server --help` prints 1436
+        widest_specs=(
+            ("SGLang 2 nodes, rank 0", samples.two_nodes("sglang", 0)),
+            ("SGLang 2 nodes, rank 1", samples.two_nodes("sglang", 1)),
+        ),
+    ),
+)

@@ -7,9 +7,11 @@ path). Each reason is a sentence naming the values involved, for the operator to
 
 from __future__ import annotations
 
-from llmgw.core.shard import ENGINES, FABRIC_KINDS, LAUNCHERS, ShardSpec
+from llmgw.core.engines import registry
+from llmgw.core.engines.descriptor import Engine
+from llmgw.core.engines.registry import LAUNCHERS
+from llmgw.core.shard import FABRIC_KINDS, ShardSpec
 
-_DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 # Hardware fp8 arrived with Ada (8.9) and Hopper (9.0); older cards emulate it slowly.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 # Flags that would replace the key llmgw gives each replica, locking the router out of it.
@@ -24,16 +26,18 @@ class InvalidShard(ValueError):
 
 def validate(spec: ShardSpec) -> list[str]:
     """Why ``spec`` cannot be launched; empty when it can."""
-    if spec.engine not in ENGINES:
-        return [f"engine {spec.engine!r} is not one of {', '.join(ENGINES)}"]
+    try:
+        engine = registry.get(spec.engine)
+    except registry.UnknownEngine as e:
+        return [str(e)]
     return [
         *_topology(spec),
-        *_gpus(spec),
-        *_rendezvous(spec),
+        *_gpus(spec, engine),
+        *_rendezvous(spec, engine),
         *_fabric(spec),
         *_precision(spec),
-        *_engine_specific(spec),
-        *_flags_and_names(spec),
+        *engine.validate(spec),
+        *_flags_and_names(spec, engine),
     ]
 
 
@@ -56,13 +60,11 @@ def _topology(spec: ShardSpec) -> list[str]:
     return reasons
 
 
-def _gpus(spec: ShardSpec) -> list[str]:
+def _gpus(spec: ShardSpec, engine: Engine) -> list[str]:
     tp, pp = spec.tensor_parallel, spec.pipeline_parallel
     if not spec.gpus:
-        if spec.engine != "llamacpp":
-            return [
-                f"{_DISPLAY_NAMES[spec.engine]} needs GPUs and this shard has none (only llama.cpp runs on the CPU)"
-            ]
+        if not engine.runs_on_cpu:
+            return [f"{engine.display_name} needs GPUs and this shard has none ({registry.only_on_cpu()})"]
         if (tp, pp) != (1, 1):
             return [f"a CPU shard runs with tensor parallelism 1 × pipeline 1, not {tp} × {pp}"]
         return []
@@ -82,11 +84,14 @@ def _gpus(spec: ShardSpec) -> list[str]:
     return reasons
 
 
-def _rendezvous(spec: ShardSpec) -> list[str]:
+def _rendezvous(spec: ShardSpec, engine: Engine) -> list[str]:
     if spec.launcher not in LAUNCHERS:
         return [f"launcher {spec.launcher!r} is not one of {', '.join(LAUNCHERS)}"]
-    if spec.launcher == "ray" and spec.engine != "vllm":
-        return [f"launcher 'ray' is for vLLM only; {_DISPLAY_NAMES[spec.engine]} starts its own ranks"]
+    if spec.launcher not in engine.launchers:
+        owners = registry.display_names(registry.with_launcher(spec.launcher))
+        return [
+            f"launcher {spec.launcher!r} is for {owners} only; {engine.display_name} starts its own ranks"
+        ]
     if spec.launcher == "ray":
         # Even on one node: the Ray head listens on the node's address, and vLLM is pointed at it.
         needed_by = "a Ray-launched shard"
@@ -150,39 +155,10 @@ def _precision(spec: ShardSpec) -> list[str]:
                 f"{' and '.join(fp8)}: fp8 needs compute capability 8.9 or newer, and {', '.join(too_old)}; "
                 "refused rather than left to a slow fallback"
             )
-    if spec.dtype is not None and "fp8" in spec.dtype.lower() and spec.engine != "llamacpp":
-        reasons.append(
-            f"dtype {spec.dtype!r} is not a --dtype choice of {_DISPLAY_NAMES[spec.engine]}, which takes fp8 "
-            "as a quantization: set quantization 'fp8' instead"
-        )
     return reasons
 
 
-def _engine_specific(spec: ShardSpec) -> list[str]:
-    if spec.engine != "llamacpp":
-        return []
-    reasons = []
-    if spec.nodes > 1:
-        reasons.append(f"llama.cpp runs on one node, and this shard spans {spec.nodes}")
-    for field, value in (("dtype", spec.dtype), ("quantization", spec.quantization)):
-        if value is not None:
-            reasons.append(
-                f"llama.cpp takes its quantization from the GGUF file; {field} {value!r} cannot apply"
-            )
-    if not spec.model_path.endswith(".gguf"):
-        reasons.append(f"llama.cpp loads a .gguf file, and model_path {spec.model_path!r} is not one")
-    # llama.cpp splits --alias and --lora values at commas.
-    if "," in spec.model:
-        reasons.append(f"model name {spec.model!r} holds a comma, which llama.cpp reads as two aliases")
-    for adapter in spec.adapters:
-        if "," in adapter.path:
-            reasons.append(
-                f"adapter path {adapter.path!r} holds a comma, which llama.cpp reads as two adapters"
-            )
-    return reasons
-
-
-def _flags_and_names(spec: ShardSpec) -> list[str]:
+def _flags_and_names(spec: ShardSpec, engine: Engine) -> list[str]:
     reasons = []
     for token in spec.extra_flags:
         if token.split("=", 1)[0] in KEY_FLAGS:
@@ -202,8 +178,7 @@ def _flags_and_names(spec: ShardSpec) -> list[str]:
             )
         elif not adapter.name or not adapter.path:
             reasons.append(f"adapter {adapter.name!r} at {adapter.path!r} needs both a name and a path")
-        elif "=" in adapter.name and spec.engine != "llamacpp":
-            # vLLM and SGLang take adapters as name=path.
+        elif "=" in adapter.name and engine.adapters_as_name_eq_path:
             reasons.append(f"adapter name {adapter.name!r} holds '=', which ends the name in name=path")
     return reasons
 

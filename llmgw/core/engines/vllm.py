@@ -5,8 +5,25 @@ Flags are those of vLLM 0.33's ``vllm serve --help=all`` (the plain ``--help`` l
 
 from __future__ import annotations
 
-from llmgw.core.engines.common import LISTEN_ALL, EngineBinaries, collective_env, device_env
+from llmgw.core.engines import samples
+from llmgw.core.engines.common import (
+    LISTEN_ALL,
+    EngineBinaries,
+    as_fraction,
+    collective_env,
+    device_env,
+    fp8_dtype_reasons,
+    reserved_share,
+)
+from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck, directory_of_copy
 from llmgw.core.shard import Command, LaunchPlan, ShardSpec
+from llmgw.core.training import PEFT_FILES
+
+DISPLAY_NAME = "vLLM"
+# The most of a card vLLM is told to take: its own default, so that a profile reserving the
+# whole card runs as it would unset, and the CUDA context and allocator keep the slack they need
+# beyond vLLM's budget.
+MAX_MEMORY_UTILIZATION = 0.92
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -94,6 +111,11 @@ def _serve_flags(spec: ShardSpec) -> list[str]:
         "--tensor-parallel-size", str(spec.tensor_parallel),
         "--pipeline-parallel-size", str(spec.pipeline_parallel),
     ]  # fmt: skip
+    share = memory_share(spec)
+    if share is not None:
+        # vLLM's budget on each card (weights, activations, KV cache) is this share of the card:
+        # by default most of it, whatever placement reserved, and a neighbour would run out.
+        flags += ["--gpu-memory-utilization", as_fraction(share)]
     if spec.ctx_size is not None:
         flags += ["--max-model-len", str(spec.ctx_size)]
     if spec.parallel is not None:
@@ -128,3 +150,54 @@ def _engine_env(spec: ShardSpec, engine_key: str | None) -> dict[str, str]:
         # In the environment: a command line is readable by every user of the node.
         env["VLLM_API_KEY"] = engine_key
     return env
+
+
+def memory_share(spec: ShardSpec) -> int | None:
+    """The reserved share of each card, in hundredths: vLLM's budget covers all it allocates."""
+    return reserved_share(spec, cap=MAX_MEMORY_UTILIZATION)
+
+
+def validate(spec: ShardSpec) -> list[str]:
+    reasons = fp8_dtype_reasons(spec, DISPLAY_NAME)
+    if memory_share(spec) == 0:
+        card_mib = min(gpu.memory_total_mib for gpu in spec.gpus)
+        reasons.append(
+            f"{spec.gpu_memory_mib:,} MiB reserved per GPU is under a hundredth of the {card_mib:,} MiB "
+            f"card, the least {DISPLAY_NAME} can be given: reserve more memory per GPU"
+        )
+    return reasons
+
+
+ENGINE = Engine(
+    name="vllm",
+    display_name=DISPLAY_NAME,
+    plan=plan,
+    validate=validate,
+    # Its own multiprocessing (with --nnodes across nodes), or a Ray cluster made of one head and
+    # one worker per node.
+    launchers=("mp", "ray"),
+    adapter_files=PEFT_FILES,
+    adapter_path=directory_of_copy,
+    # vLLM < 0.10 called its KV gauge gpu_cache_usage_perc.
+    metrics=EngineMetrics(
+        "vllm",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    help=HelpCheck(
+        program="vllm",
+        # Plain `--help` lists only the option groups.
+        help_args=("serve", "--help=all"),
+        version_args=("--version",),
+        argv_prefix=3,  # `vllm serve <model>`
+        min_help_lines=1000,  # 0.33.0 `serve --help=all` prints 1293; plain `--help` only 34
+        truncation_hint="; plain `vllm serve --help` lists only option groups: use `--help=all`",
+        widest_specs=(
+            ("vLLM mp 2 nodes, rank 0", samples.two_nodes("vllm", 0)),
+            ("vLLM mp 2 nodes, rank 1 (headless)", samples.two_nodes("vllm", 1)),
+            ("vLLM Ray 2 nodes, leader", samples.two_nodes("vllm", 0, launcher="ray")),
+            ("vLLM Ray 2 nodes, worker", samples.two_nodes("vllm", 1, launcher="ray")),
+        ),
+    ),
+)

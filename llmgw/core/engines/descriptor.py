@@ -1,0 +1,82 @@
+"""What llmgw knows of one engine, in one value: every other module looks an engine up by name
+(:mod:`llmgw.core.engines.registry`) instead of naming it.
+
+Pure data and pure functions: the engine's own module (``vllm.py``, ``sglang.py``, ``llamacpp.py``)
+fills one ``Engine`` in, and a new engine is one such module plus one line in the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from llmgw.core.shard import LaunchPlan, ShardSpec
+from llmgw.core.training import GGUF_FILE, FileDigest
+
+
+@attrs.frozen
+class EngineMetrics:
+    """How to read one engine's load from its Prometheus names (as the parser reports them)."""
+
+    engine: str
+    running: str
+    waiting: str
+    saturation: tuple[str, ...] = ()  # the first one present wins; empty: the engine has none
+
+
+@attrs.frozen(kw_only=True)
+class HelpCheck:
+    """How ``ctl engine-check`` reads the engine's ``--help`` and what it expects of it."""
+
+    # The EngineBinaries field naming the program that prints the help (and that the planner runs).
+    program: str
+    help_args: tuple[str, ...]  # after the program, e.g. ("serve", "--help=all")
+    version_args: tuple[str, ...]  # after the program: prints the engine's version
+    # argv tokens of an engine command before the engine's own options (the program included).
+    argv_prefix: int
+    # Fewer help lines than this: the text was probably cut (a pager, a closed pipe), and flags
+    # reported missing may be there.
+    min_help_lines: int
+    truncation_hint: str = ""  # added to the truncation warning, e.g. how to get the full help
+    # The shards whose commands together use every flag llmgw can emit for this engine, each with
+    # a label for the report. Multi-node included: a flag only a second node uses is the one
+    # nobody sees go missing.
+    widest_specs: tuple[tuple[str, ShardSpec], ...]
+
+
+# plan(spec, engine_key=..., binaries=...) -> LaunchPlan; ``binaries`` is an EngineBinaries.
+Planner = Callable[..., LaunchPlan]
+
+
+@attrs.frozen(kw_only=True)
+class Engine:
+    name: str  # what catalogs and shard specs say: "vllm"
+    display_name: str  # what people read: "vLLM"
+    plan: Planner  # the spec's commands and environments, for a spec that validates
+    # The engine's own reasons to refuse a spec, after the rules every engine shares
+    # (llmgw.core.engines.validate); empty when it has none.
+    validate: Callable[[ShardSpec], list[str]]
+    # How its ranks are started; the first is the default. Only vLLM knows "ray".
+    launchers: tuple[str, ...] = ("mp",)
+    runs_on_cpu: bool = False  # without GPUs (an empty gpus list)
+    multi_node: bool = True  # a replica may span several nodes
+    only_format: str | None = None  # the one model format it loads; None: any of the catalog's
+    # Adapters go on its command line as name=path, so an adapter's name cannot hold "=".
+    adapters_as_name_eq_path: bool = True
+    # The files of a stored adapter it loads (llmgw.core.training's names), and what it is given
+    # of the node's copy: (copy's directory, its files) -> the path on its command line.
+    adapter_files: tuple[str, ...]
+    adapter_path: Callable[[str, tuple[FileDigest, ...]], str]
+    metrics: EngineMetrics  # its load, from /metrics: for routing, scaling and drains
+    help: HelpCheck
+
+    @property
+    def loads_gguf_adapters(self) -> bool:
+        """Its adapters are GGUF files: a training job for its model converts what it makes."""
+        return GGUF_FILE in self.adapter_files
+
+
+def directory_of_copy(directory: str, files: tuple[FileDigest, ...]) -> str:
+    """The adapter path for an engine that loads peft's directory."""
+    return directory
