@@ -27,6 +27,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from llmgw.core import engines
 from llmgw.core import jobs as core
 from llmgw.core.liveness import NodeState
 from llmgw.core.reassembly import Reassembly, ReassemblyError
@@ -198,7 +199,8 @@ class JobManager:
                 raise Conflict([f'adapter: job {other.id} ({other.state}) is already making "{name}"'])
         if spec_fields["gguf"] is None:
             spec_fields["gguf"] = any(
-                p.model == model and p.engine == "llamacpp" for p in self._catalog.profiles().values()
+                p.model == model and engines.get(p.engine).loads_gguf_adapters
+                for p in self._catalog.profiles().values()
             )
         job_id = _new_id(self._jobs)
         spec = TrainSpec(job_id=job_id, **spec_fields)
