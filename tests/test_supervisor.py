@@ -304,6 +304,23 @@ async def test_an_engine_that_ignores_sigterm_is_killed_after_the_grace(
     assert [pid for pid in group if is_alive(pid)] == []
 
 
+async def test_a_stop_that_names_no_grace_takes_the_agents_stop_grace(
+    nursery: trio.Nursery, lab: Lab
+) -> None:
+    """What the server sends: the agent's engines.stop_grace decides, not a grace of the wire's."""
+    agent = await start_agent(
+        nursery, lab, binaries=lab.binaries(FAKE_ENGINE_IGNORE_SIGTERM="1"), stop_grace=0.5
+    )
+    spec = llama_spec()
+    await agent.supervisor.start(spec, KEY)
+    await agent.wait_state(spec.shard_id, READY)
+    began = trio.current_time()
+    # Far below the 30 s a grace of the wire's own would take to run out.
+    with trio.fail_after(20):
+        assert await agent.supervisor.stop(spec.shard_id) == (True, "stopped")
+    assert trio.current_time() - began >= 0.5
+
+
 async def test_an_engine_that_exits_fails_the_shard_with_its_code_and_output(
     nursery: trio.Nursery, lab: Lab
 ) -> None:

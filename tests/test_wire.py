@@ -26,6 +26,7 @@ from llmgw.wire.messages import (
     Ping,
     Pong,
     Register,
+    StopShard,
 )
 
 text = st.text(max_size=40)
@@ -144,6 +145,26 @@ def test_a_newer_peers_unknown_type_is_skipped_once_logged_and_its_extra_fields_
         "skipping link messages of type 'FutureCommand', which this version does not know (the peer is "
         "newer); said once per connection"
     ]
+
+
+def test_an_older_agents_register_and_stop_decode_with_the_defaults():
+    """Fields added later (Register's stop_grace, StopShard's grace left to the agent) have
+    defaults, so a peer one version behind still joins and is understood."""
+    register = json.loads(
+        encode(
+            Register(
+                node="n",
+                agent_version="0",
+                inventory=Inventory(hostname="n", cpu_count=1, memory_total_mib=1, memory_available_mib=1),
+            )
+        )
+    )
+    del register["stop_grace"]
+    assert decode(json.dumps(register).encode()).stop_grace == 30.0
+    stop = json.loads(encode(StopShard(id=1, shard_id="s")))
+    assert stop["grace"] is None  # the agent's own engines.stop_grace decides
+    stop["grace"] = 5.0
+    assert decode(json.dumps(stop).encode()) == StopShard(id=1, shard_id="s", grace=5.0)
 
 
 async def test_a_link_carries_on_past_a_message_it_does_not_know(monkeypatch):

@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 INVENTORY_EVERY = 6
 # Dialling and registering must finish within this, or the attempt counts as failed.
 HANDSHAKE_TIMEOUT = 10.0
+# What Register says of an agent that runs no shards (engines.stop_grace's default).
+DEFAULT_STOP_GRACE = 30.0
 
 
 class ShardHost(Protocol):
@@ -65,7 +67,9 @@ class ShardHost(Protocol):
 
     async def start(self, spec: ShardSpec, engine_key: str | None) -> tuple[bool, str]: ...
 
-    async def stop(self, shard_id: str, grace: float) -> tuple[bool, str]: ...
+    stop_grace: float  # seconds between SIGTERM and SIGKILL when a stop names none
+
+    async def stop(self, shard_id: str, grace: float | None) -> tuple[bool, str]: ...
 
     async def drain(self, shard_id: str, drain_timeout: float) -> tuple[bool, str]: ...
 
@@ -219,7 +223,12 @@ class AgentLink:
             jobs = tuple(self._jobs.running()) if self._jobs is not None else ()
             await link.send(
                 Register(
-                    node=self.node, agent_version=__version__, inventory=inventory, shards=shards, jobs=jobs
+                    node=self.node,
+                    agent_version=__version__,
+                    inventory=inventory,
+                    shards=shards,
+                    jobs=jobs,
+                    stop_grace=self._shards.stop_grace if self._shards is not None else DEFAULT_STOP_GRACE,
                 )
             )
             reply = await link.receive()

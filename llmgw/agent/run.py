@@ -197,6 +197,7 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
         # Simulated GPUs: NVML stays untouched, and so do real GPUs' processes on this machine.
         nvml=NvmlOff() if config.discovery.simulate is not None else None,
         leader_wait=config.engines.leader_wait,
+        stop_grace=config.engines.stop_grace,
         # An adopted training child holds GPU memory that no shard describes: not foreign.
         also_ours=lambda: trainer.own_pids() if trainer is not None else frozenset(),
         adapters=adapters,

@@ -134,6 +134,7 @@ class Supervisor:
         on_status: Callable[[ShardStatus], None],
         nvml: Any = None,
         leader_wait: float = 600.0,
+        stop_grace: float = 30.0,
         health_interval: float = 1.0,
         also_ours: Callable[[], frozenset[int]] | None = None,
         adapters: AdapterCache | None = None,
@@ -149,6 +150,7 @@ class Supervisor:
         self._on_status = on_status
         self._nvml = nvml
         self._leader_wait = leader_wait
+        self.stop_grace = stop_grace  # a stop's grace when it names none (engines.stop_grace)
         self._health_interval = health_interval
         self._shards: dict[str, _Shard] = {}
         self._nursery: trio.Nursery | None = None
@@ -212,8 +214,9 @@ class Supervisor:
         self._spawner().start_soon(self._run_shard, shard, plan)
         return True, "starting"
 
-    async def stop(self, shard_id: str, grace: float = 30.0) -> tuple[bool, str]:
-        """Stops a shard: SIGTERM to each process group, SIGKILL after ``grace`` seconds.
+    async def stop(self, shard_id: str, grace: float | None = None) -> tuple[bool, str]:
+        """Stops a shard: SIGTERM to each process group, SIGKILL after ``grace`` seconds (None:
+        the agent's engines.stop_grace).
 
         Returns once nothing of it is left. A shard this agent does not run counts as stopped
         (ok, "not running"): what the server wants, no such shard here, holds.
@@ -223,7 +226,7 @@ class Supervisor:
         if shard is None:
             return True, "not running"
         if shard.ended is None:
-            shard.grace = grace
+            shard.grace = self.stop_grace if grace is None else grace
             self._end(shard, ShardState.STOPPED, "")
         await shard.done.wait()
         assert shard.ended is not None
@@ -234,7 +237,7 @@ class Supervisor:
         self,
         shard_id: str,
         timeout: float,  # noqa: ASYNC109 (it ends the wait, not the drain: the shard stops either way)
-        grace: float = 30.0,
+        grace: float | None = None,
     ) -> tuple[bool, str]:
         """Stops a shard once its engine holds no request (running or queued), or after ``timeout``.
 

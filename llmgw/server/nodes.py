@@ -92,6 +92,7 @@ class Node:
     # Registrations since this server started: a shard missing from a newer registration's list
     # than the one it was started under is gone.
     registrations: int = 0
+    stop_grace: float = 30.0  # the agent's engines.stop_grace, as its last Register said
 
     @property
     def connected(self) -> bool:
@@ -177,6 +178,7 @@ class NodeRegistry:
             node.last_heard, node.last_seen = now, wall
         node.session = session
         node.registrations += 1
+        node.stop_grace = register.stop_grace
         node.shards = {s.spec.shard_id: Shard.from_running(s, wall) for s in register.shards}
         for watcher in self.watchers:
             watcher.node_attached(node.name, register)

@@ -55,10 +55,11 @@ log = logging.getLogger(__name__)
 
 # Backoffs and startup timeouts come due without any event: look at least this often.
 TICK = 2.0
-# A command is answered as soon as the agent has acted (a start once launched, a stop once the
-# processes are gone, which takes up to the stop grace).
+# A command is answered as soon as the agent has acted: a start once launched, a stop once the
+# processes are gone — after the drain's timeout, if any, and the agent's stop grace, then the
+# SIGKILL and reaping, which this margin allows for.
 START_ANSWER_TIMEOUT = 60.0
-STOP_ANSWER_TIMEOUT = 120.0
+STOP_ANSWER_MARGIN = 30.0
 
 
 class ReplicaManager:
@@ -417,7 +418,7 @@ class ReplicaManager:
 
     async def _stop_shard(self, ref: ShardRef, command: StopShard | DrainShard) -> None:
         try:
-            with trio.fail_after(STOP_ANSWER_TIMEOUT):
+            with trio.fail_after(self._stop_answer_timeout(ref.node, command)):
                 reply = await self._registry.call(ref.node, command)
             if isinstance(reply, CommandResult) and reply.ok:
                 self._set_shard_state(ref.shard_id, ShardState.STOPPED, reply.message)
@@ -428,6 +429,14 @@ class ReplicaManager:
         finally:
             self._stopping.discard((ref.node, ref.shard_id))
             self._kick.set()
+
+    def _stop_answer_timeout(self, node_name: str, command: StopShard | DrainShard) -> float:
+        node = self._registry.get(node_name)
+        grace = node.stop_grace if node is not None else 30.0
+        if isinstance(command, StopShard) and command.grace is not None:
+            grace = command.grace
+        drain = command.timeout if isinstance(command, DrainShard) else 0.0
+        return drain + grace + STOP_ANSWER_MARGIN
 
     def _shard_failed(self, replica_id: str, shard_id: str, reason: str) -> None:
         log.warning("replica %s: shard %s: %s", replica_id, shard_id, reason)

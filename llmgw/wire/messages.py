@@ -56,6 +56,9 @@ class Register:
     shards: tuple[RunningShard, ...] = ()
     # Training jobs this agent still runs (a restarted server re-attaches them, fails the rest).
     jobs: tuple[RunningJob, ...] = ()
+    # Its engines.stop_grace: how long a stop may wait before SIGKILL, so that the server waits
+    # long enough for a stop's answer. (An agent older than the field reports nothing: 30 s.)
+    stop_grace: float = 30.0
 
 
 @frozen
@@ -112,7 +115,7 @@ class StopShard:
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
     shard_id: str
-    grace: float = 30.0
+    grace: float | None = None  # None: the agent's own engines.stop_grace
 
 
 @frozen
