@@ -37,16 +37,38 @@ KEY = "sk-engine-test-key-0123456789"
 BINARIES = EngineBinaries()
 
 
+# Each card's memory as NVML reports it.
+H100_MIB, L40S_MIB, A100_MIB = 81559, 46068, 81920
+
+
 def h100(index: int) -> GpuRef:
-    return GpuRef(index=index, uuid=f"GPU-h100-{index}", gpu_class="h100-80g", compute_capability="9.0")
+    return GpuRef(
+        index=index,
+        uuid=f"GPU-h100-{index}",
+        gpu_class="h100-80g",
+        compute_capability="9.0",
+        memory_total_mib=H100_MIB,
+    )
 
 
 def l40s(index: int) -> GpuRef:
-    return GpuRef(index=index, uuid=f"GPU-l40s-{index}", gpu_class="l40s-45g", compute_capability="8.9")
+    return GpuRef(
+        index=index,
+        uuid=f"GPU-l40s-{index}",
+        gpu_class="l40s-45g",
+        compute_capability="8.9",
+        memory_total_mib=L40S_MIB,
+    )
 
 
 def a100(index: int) -> GpuRef:
-    return GpuRef(index=index, uuid=f"GPU-a100-{index}", gpu_class="a100-80g", compute_capability="8.0")
+    return GpuRef(
+        index=index,
+        uuid=f"GPU-a100-{index}",
+        gpu_class="a100-80g",
+        compute_capability="8.0",
+        memory_total_mib=A100_MIB,
+    )
 
 
 IB = Fabric(kind="ib", hcas=("mlx5_0", "mlx5_1"))
@@ -107,21 +129,55 @@ CASES: dict[str, tuple[ShardSpec, str | None]] = {
         KEY,
     ),
     "vllm-tp2": (
-        spec(gpus=(h100(2), h100(3)), tensor_parallel=2, ctx_size=8192, dtype="bfloat16", adapters=ADAPTERS),
+        spec(
+            gpus=(h100(2), h100(3)),
+            tensor_parallel=2,
+            ctx_size=8192,
+            dtype="bfloat16",
+            adapters=ADAPTERS,
+            gpu_memory_mib=40000,
+        ),
         KEY,
     ),
     "vllm-mp-rank0": (
-        two_nodes(0, gpus=(h100(0), h100(1)), tensor_parallel=2, pipeline_parallel=2, fabric=IB),
+        two_nodes(
+            0,
+            gpus=(h100(0), h100(1)),
+            tensor_parallel=2,
+            pipeline_parallel=2,
+            fabric=IB,
+            gpu_memory_mib=H100_MIB,
+        ),
         KEY,
     ),
     "vllm-mp-rank1": (
-        two_nodes(1, gpus=(h100(0), h100(1)), tensor_parallel=2, pipeline_parallel=2, fabric=IB),
+        two_nodes(
+            1,
+            gpus=(h100(0), h100(1)),
+            tensor_parallel=2,
+            pipeline_parallel=2,
+            fabric=IB,
+            gpu_memory_mib=H100_MIB,
+        ),
         KEY,
     ),
-    "vllm-ray-leader": (two_nodes(0, launcher="ray", tensor_parallel=2, fabric=ROCE), KEY),
-    "vllm-ray-worker": (two_nodes(1, launcher="ray", tensor_parallel=2, fabric=ROCE), KEY),
+    "vllm-ray-leader": (
+        two_nodes(0, launcher="ray", tensor_parallel=2, fabric=ROCE, gpu_memory_mib=60000),
+        KEY,
+    ),
+    "vllm-ray-worker": (
+        two_nodes(1, launcher="ray", tensor_parallel=2, fabric=ROCE, gpu_memory_mib=60000),
+        KEY,
+    ),
     "sglang-single": (
-        spec(engine="sglang", quantization="fp8", dtype="bfloat16", ctx_size=32768, parallel=64),
+        spec(
+            engine="sglang",
+            quantization="fp8",
+            dtype="bfloat16",
+            ctx_size=32768,
+            parallel=64,
+            gpu_memory_mib=40000,
+        ),
         KEY,
     ),
     "sglang-rank0": (
@@ -132,6 +188,7 @@ CASES: dict[str, tuple[ShardSpec, str | None]] = {
             tensor_parallel=2,
             pipeline_parallel=2,
             adapters=ADAPTERS,
+            gpu_memory_mib=70000,
         ),
         KEY,
     ),
@@ -143,6 +200,7 @@ CASES: dict[str, tuple[ShardSpec, str | None]] = {
             tensor_parallel=2,
             pipeline_parallel=2,
             adapters=ADAPTERS,
+            gpu_memory_mib=70000,
         ),
         KEY,
     ),
@@ -349,6 +407,64 @@ def test_a_cpu_shard_runs_on_the_cores_placement_reserved() -> None:
     assert gpu.argv.count("--threads") == 1  # only the profile's own extra flag
 
 
+def flag_value(plan: LaunchPlan, flag: str) -> str | None:
+    """The value the engine command ends up with for ``flag`` (argparse keeps the last one)."""
+    (engine,) = (c for c in plan.commands if c.name == "engine")
+    values = [engine.argv[i + 1] for i, token in enumerate(engine.argv) if token == flag]
+    return values[-1] if values else None
+
+
+def test_vllm_is_told_the_share_of_each_card_placement_reserved() -> None:
+    """40,000 of 81,559 MiB is 0.4904: vLLM gets 0.49, rounded down so that it stays inside the
+    reservation and a neighbour on the rest of the card has what placement promised it."""
+    assert flag_value(plan_of("vllm-tp2"), "--gpu-memory-utilization") == "0.49"
+    # A profile reserving the whole card runs as vLLM's default would: 0.92, not 1.00.
+    assert flag_value(plan_of("vllm-mp-rank0"), "--gpu-memory-utilization") == "0.92"
+    # Every rank of a multi-node replica allocates on its own cards, the headless one too.
+    assert flag_value(plan_of("vllm-mp-rank1"), "--gpu-memory-utilization") == "0.92"
+    # A profile's own value comes first on the command line, and the reservation's wins.
+    reserved = spec(extra_flags=("--gpu-memory-utilization", "0.95"), gpu_memory_mib=20000)
+    assert flag_value(
+        build_plan(reserved, engine_key=KEY, binaries=BINARIES), "--gpu-memory-utilization"
+    ) == ("0.24")
+
+
+def test_sglang_static_pool_leaves_room_for_its_activations_inside_the_reservation() -> None:
+    """--mem-fraction-static covers weights and KV only; 17 hundredths of the card are kept for
+    activations and CUDA graphs, so 40,000 of 81,559 MiB (0.49) gives a static pool of 0.32."""
+    assert flag_value(plan_of("sglang-single"), "--mem-fraction-static") == "0.32"
+    assert flag_value(plan_of("sglang-rank1"), "--mem-fraction-static") == "0.68"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_no_reservation_known_leaves_the_engine_its_default(engine: str) -> None:
+    flag = {"vllm": "--gpu-memory-utilization", "sglang": "--mem-fraction-static"}[engine]
+    # A spec from before the reservation was sent, and one whose cards' memory is unknown.
+    unknown_card = GpuRef(index=0, uuid="GPU-0", gpu_class="h100-80g", compute_capability="9.0")
+    for shard in (spec(engine=engine), spec(engine=engine, gpus=(unknown_card,), gpu_memory_mib=40000)):
+        assert flag_value(build_plan(shard, engine_key=KEY, binaries=BINARIES), flag) is None
+
+
+@given(card_mib=st.integers(8000, 200_000), data=st.data())
+def test_the_engines_stay_inside_the_reservation(card_mib: int, data: st.DataObject) -> None:
+    """Whatever the card and the reservation: vLLM's budget, and SGLang's static pool plus what
+    it keeps beside it, are at most what placement reserved."""
+    reserved = data.draw(st.integers(card_mib // 4, card_mib))
+    card = attrs.evolve(h100(0), memory_total_mib=card_mib)
+    vllm = spec(gpus=(card,), gpu_memory_mib=reserved)
+    share = hundredths(vllm, "--gpu-memory-utilization")
+    assert 0 < share <= 92 and share * card_mib <= reserved * 100
+    static = hundredths(attrs.evolve(vllm, engine="sglang"), "--mem-fraction-static")
+    assert 0 < static and (static + 17) * card_mib <= reserved * 100
+
+
+def hundredths(shard: ShardSpec, flag: str) -> int:
+    # As the flags are written, so that the comparisons are exact where floats would round.
+    value = flag_value(build_plan(shard, engine_key=KEY, binaries=BINARIES), flag)
+    assert value is not None
+    return round(float(value) * 100)
+
+
 def test_spec_round_trips_through_cattrs_and_json() -> None:
     shard = CASES["vllm-ray-leader"][0]
     converter = cattrs.Converter()
@@ -403,6 +519,8 @@ def test_spec_round_trips_through_cattrs_and_json() -> None:
         (spec(adapters=(ADAPTERS[0], ADAPTERS[0])), "adapter name 'support-bot' is given twice"),
         (spec(adapters=(Adapter(name="a=b", path="/p"),)), "holds '='"),
         (spec(port=0), "port 0 is not a TCP port"),
+        (spec(gpu_memory_mib=500), "500 MiB reserved per GPU is under a hundredth of the 81,559 MiB card"),
+        (spec(engine="sglang", gpu_memory_mib=10000), "leaves SGLang no static pool"),
     ],
 )
 def test_validation_refuses(shard: ShardSpec, reason: str) -> None:

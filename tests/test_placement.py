@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core.catalog import Model, Profile, validate_model, validate_profile
-from llmgw.core.engines import validate
+from llmgw.core.engines import EngineBinaries, build_plan, validate
 from llmgw.core.placement import (
     ClusterView,
     GpuView,
@@ -429,6 +429,22 @@ def test_single_node_and_cpu_specs_use_no_fabric_and_pass_launch_checks():
     assert cpu[0].gpus == () and validate(cpu[0]) == []
     # The engine gets the cores placement counted for it; a GPU shard's threads are its own.
     assert (cpu[0].cpu_threads, single[0].cpu_threads) == (cpu_profile().cpu_cores, None)
+
+
+def test_specs_carry_the_memory_reserved_on_each_card_and_the_cards_size():
+    """What the engine needs to stay inside its reservation: the profile's memory_mib per GPU
+    (what fit() found free and apply() took) and each card's own memory. A CPU shard has neither."""
+    view = ClusterView(nodes=(node("node-1", gpus=2),))
+    profile = gpu_profile(memory_mib=30_000)
+    (shard,) = to_shard_specs(placed(place(view, profile, PORTS)), profile, LLAMA, "r1", view)
+    assert shard.gpu_memory_mib == 30_000
+    assert [g.memory_total_mib for g in shard.gpus] == [46_068, 46_068]
+    # Told to vLLM as its share of the card, 30,000 of 46,068 MiB rounded down: 0.65 × 46,068 is
+    # 29,944 MiB, inside the reservation.
+    (engine,) = build_plan(shard, engine_key=None, binaries=EngineBinaries()).commands
+    assert engine.argv[engine.argv.index("--gpu-memory-utilization") + 1] == "0.65"
+    (cpu,) = to_shard_specs(placed(place(view, cpu_profile(), PORTS)), cpu_profile(), SMOL, "r2", view)
+    assert cpu.gpu_memory_mib is None
 
 
 # --- placement: properties ----------------------------------------------------------------------------

@@ -364,6 +364,7 @@ def to_shard_specs(
                         uuid=gpus[i].uuid,
                         gpu_class=gpus[i].gpu_class,
                         compute_capability=gpus[i].compute_capability,
+                        memory_total_mib=gpus[i].memory_total_mib,
                     )
                     for i in shard.gpu_indices
                 ),
@@ -379,6 +380,8 @@ def to_shard_specs(
                 ctx_size=profile.ctx_size,
                 parallel=profile.parallel,
                 cpu_threads=profile.cpu_cores if profile.gpu_class is None else None,
+                # What fit() found free on each card and apply() took: the engine stays within it.
+                gpu_memory_mib=profile.memory_mib if profile.gpu_class is not None else None,
                 dtype=profile.dtype,
                 quantization=profile.quantization,
                 extra_flags=profile.flags,
