@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ SYSFS = HERE / "fixtures" / "sysfs"
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.77.0"  # inside our namespaces only, so concurrent fleets cannot collide
 SERVER_ADDRESS = f"{SUBNET}.1"
+LINK_PORT, ADMIN_PORT, GATEWAY_PORT = 7070, 7071, 8080
 # Engines inside the namespaces: every port is free there, so one fixed range serves every test.
 ENGINE_PORTS = {"engine_port_min": 31000, "engine_port_max": 31049}
 # /usr/bin/python3: the fake engines run as the unprivileged engine user, who cannot enter the
@@ -146,10 +146,14 @@ class FleetServer(Server):
     """tests.procs.Server in the server's namespace: the link on the bridge, the rest on loopback."""
 
     def __init__(self, tmp: Path, namespace: str, **options: object) -> None:
-        super().__init__(tmp, **options)
+        # Fixed ports, free in a namespace of its own: a restarted server listens where the
+        # first did, so its agents find it again.
+        super().__init__(
+            tmp, link_port=LINK_PORT, admin_port=ADMIN_PORT, gateway_port=GATEWAY_PORT, **options
+        )
         self.namespace = namespace
         config = yaml.safe_load(self.config.read_text())
-        config["link"]["listen"] = f"{SERVER_ADDRESS}:0"
+        config["link"]["listen"] = f"{SERVER_ADDRESS}:{LINK_PORT}"
         self.config.write_text(yaml.safe_dump(config))
 
     def start(self) -> FleetServer:
@@ -447,5 +451,4 @@ __all__ = [
     "process_alive",
     "public_engines",
     "require_netns",
-    "sys",
 ]
