@@ -9,9 +9,7 @@ A pass runs when the catalog or the fleet changed, when a command it sent was an
 tick (backoffs and timeouts come due with nothing else happening).
 
 Records live in memory. After a server restart they are rebuilt from what the agents report when
-they register: a running shard whose spec names a profile still in the catalog becomes (part of)
-its replica again, with a fresh startup timeout, and no engine is restarted. A shard that matches
-nothing is left to the reconciler, which stops it as an orphan.
+they register (adoption: see :mod:`llmgw.core.reconcile.observe`), and no engine is restarted.
 """
 
 from __future__ import annotations
@@ -42,7 +40,8 @@ from llmgw.core.reconcile import (
     StopOrphan,
     reconcile,
 )
-from llmgw.core.replica import COUNTED, Replica, ReplicaShard, ReplicaState, state_of_shards
+from llmgw.core.reconcile.observe import observe
+from llmgw.core.replica import COUNTED, Replica, ReplicaState
 from llmgw.core.scaling import LoadSignals, ScaleState, desired_replicas
 from llmgw.core.shard import Fabric, ShardSpec
 from llmgw.server.adapters import AdapterDelivery, DeliveryFailed, delivery_timeout
@@ -92,10 +91,6 @@ class ReplicaManager:
         # from a later registration's list is gone (the agent restarted without it).
         self._started_under: dict[str, int] = {}
         self._stopping: set[tuple[str, str]] = set()  # (node, shard id) with a stop on its way
-        # Adopted multi-node replicas not every rank of which has reported yet, and how many
-        # nodes they span: such a replica cannot be Ready, whatever its reported ranks say (a
-        # headless rank 1 is Ready by staying alive, yet serves no HTTP).
-        self._partial: dict[str, int] = {}
         # Replicas this server ended (stopped, reaped, scaled down): a shard of one that an agent
         # reports later (its node was cut off while it was reaped) is an orphan to stop, never a
         # replica to adopt, or the profile would run one more replica than it wants.
@@ -235,7 +230,9 @@ class ReplicaManager:
         """The agents' reports into the records (core.reconcile.observe): shards adopted after
         a server restart, and every shard's reported state."""
         profiles = self._catalog.profiles()
-        observed = observe(self._records, self._registry.list(), profiles, self._started_under, now)
+        observed = observe(
+            self._records, self._registry.list(), profiles, self._started_under, now, ended=self._ended
+        )
         self._records = observed.records
         self._started_under.update(observed.started_under)
         for adoption in observed.adopted:
