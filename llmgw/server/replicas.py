@@ -9,9 +9,7 @@ A pass runs when the catalog or the fleet changed, when a command it sent was an
 tick (backoffs and timeouts come due with nothing else happening).
 
 Records live in memory. After a server restart they are rebuilt from what the agents report when
-they register: a running shard whose spec names a profile still in the catalog becomes (part of)
-its replica again, with a fresh startup timeout, and no engine is restarted. A shard that matches
-nothing is left to the reconciler, which stops it as an orphan.
+they register (adoption: see :mod:`llmgw.core.reconcile.observe`), and no engine is restarted.
 """
 
 from __future__ import annotations
@@ -42,7 +40,8 @@ from llmgw.core.reconcile import (
     StopOrphan,
     reconcile,
 )
-from llmgw.core.replica import COUNTED, Replica, ReplicaShard, ReplicaState, state_of_shards
+from llmgw.core.reconcile.observe import observe
+from llmgw.core.replica import COUNTED, Replica, ReplicaState
 from llmgw.core.scaling import LoadSignals, ScaleState, desired_replicas
 from llmgw.core.shard import Fabric, ShardSpec
 from llmgw.server.adapters import AdapterDelivery, DeliveryFailed, delivery_timeout
@@ -92,10 +91,6 @@ class ReplicaManager:
         # from a later registration's list is gone (the agent restarted without it).
         self._started_under: dict[str, int] = {}
         self._stopping: set[tuple[str, str]] = set()  # (node, shard id) with a stop on its way
-        # Adopted multi-node replicas not every rank of which has reported yet, and how many
-        # nodes they span: such a replica cannot be Ready, whatever its reported ranks say (a
-        # headless rank 1 is Ready by staying alive, yet serves no HTTP).
-        self._partial: dict[str, int] = {}
         # Replicas this server ended (stopped, reaped, scaled down): a shard of one that an agent
         # reports later (its node was cut off while it was reaped) is an orphan to stop, never a
         # replica to adopt, or the profile would run one more replica than it wants.
@@ -165,8 +160,7 @@ class ReplicaManager:
     def run_pass(self) -> None:
         """One reconcile pass, synchronous; the commands it needs go out in background tasks."""
         now = time.time()
-        self._adopt_reported(now)
-        self._follow_reports()
+        self._observe(now)
         plan = reconcile(
             models=self._catalog.models(),
             profiles=self._catalog.profiles(),
@@ -232,65 +226,24 @@ class ReplicaManager:
             if shard.spec is not None and shard.state not in (ShardState.STOPPED, ShardState.FAILED)
         ]
 
-    def _adopt_reported(self, now: float) -> None:
-        """Running shards no record lists but whose profile is in the catalog become replicas
-        again (a server restart): the engines keep serving, nothing is restarted."""
+    def _observe(self, now: float) -> None:
+        """The agents' reports into the records (core.reconcile.observe): shards adopted after
+        a server restart, and every shard's reported state."""
         profiles = self._catalog.profiles()
-        known = {shard.shard_id for record in self._records.values() for shard in record.shards}
-        adopted: set[str] = set()  # profiles that got a replica back
-        for node in self._registry.list():
-            if not node.connected:
-                continue
-            for shard in node.shards.values():
-                spec = shard.spec
-                if (
-                    spec is None
-                    or spec.shard_id in known
-                    or spec.replica_id in self._ended
-                    or shard.state in (ShardState.STOPPED, ShardState.FAILED)
-                ):
-                    continue
-                profile = profiles.get(spec.profile)
-                if profile is None or profile.model != spec.model:
-                    continue  # an orphan: the reconciler stops it
-                piece = ReplicaShard(
-                    node=node.name,
-                    shard_id=spec.shard_id,
-                    rank=spec.rank,
-                    gpu_indices=tuple(gpu.index for gpu in spec.gpus),
-                    port=spec.port,
-                    rendezvous_port=spec.rendezvous_port,
-                    state=shard.state,
-                    compute=shard.compute,
-                )
-                record = self._records.get(spec.replica_id)
-                if record is None:
-                    adopted.add(spec.profile)
-                    self._partial[spec.replica_id] = spec.nodes
-                shards = tuple(sorted((*(record.shards if record else ()), piece), key=lambda s: s.rank))
-                shards = self._held_back(spec.replica_id, shards)
-                state = state_of_shards(s.state for s in shards)
-                self._records[spec.replica_id] = Replica(
-                    id=spec.replica_id,
-                    profile=spec.profile,
-                    model=spec.model,
-                    state=state,
-                    shards=shards,
-                    since=now,
-                    created=record.created if record else now,
-                    started=now,  # a full startup timeout from now, not from before the restart
-                    reason="adopted from a running engine",
-                )
-                self._started_under[spec.shard_id] = node.registrations
-                known.add(spec.shard_id)
-                log.info(
-                    "replica %s: adopted shard %s on node %s (%s)",
-                    spec.replica_id,
-                    spec.shard_id,
-                    node.name,
-                    shard.state,
-                )
-        for name in adopted:
+        observed = observe(
+            self._records, self._registry.list(), profiles, self._started_under, now, ended=self._ended
+        )
+        self._records = observed.records
+        self._started_under.update(observed.started_under)
+        for adoption in observed.adopted:
+            log.info(
+                "replica %s: adopted shard %s on node %s (%s)",
+                adoption.replica_id,
+                adoption.shard_id,
+                adoption.node,
+                adoption.state,
+            )
+        for name in {a.profile for a in observed.adopted if a.profile in profiles}:
             self._want_at_least_what_runs(profiles[name])
 
     def _want_at_least_what_runs(self, profile: Profile) -> None:
@@ -300,49 +253,6 @@ class ReplicaManager:
         running = sum(1 for r in self._records.values() if r.profile == profile.name and r.state in COUNTED)
         current, state = self._wanted.get(profile.name, (profile.min_replicas, ScaleState()))
         self._wanted[profile.name] = (max(current, min(running, profile.max_replicas)), state)
-
-    def _held_back(self, replica_id: str, shards: tuple[ReplicaShard, ...]) -> tuple[ReplicaShard, ...]:
-        """``shards``, with Ready and Loading taken back to Starting while some rank of an
-        adopted replica has not reported."""
-        nodes = self._partial.get(replica_id)
-        if nodes is None:
-            return shards
-        if len({s.rank for s in shards}) >= nodes:
-            del self._partial[replica_id]
-            return shards
-        waiting = ShardState.STARTING
-        return tuple(
-            attrs.evolve(s, state=waiting) if s.state in (ShardState.READY, ShardState.LOADING) else s
-            for s in shards
-        )
-
-    def _follow_reports(self) -> None:
-        """Each record's shards take the state their agents report."""
-        nodes = {node.name: node for node in self._registry.list()}
-        self._partial = {rid: n for rid, n in self._partial.items() if rid in self._records}
-        for record in list(self._records.values()):
-            shards = tuple(self._reported_state(piece, nodes.get(piece.node)) for piece in record.shards)
-            shards = self._held_back(record.id, shards)
-            if shards != record.shards:
-                self._records[record.id] = attrs.evolve(record, shards=shards)
-
-    def _reported_state(self, piece: ReplicaShard, node: Node | None) -> ReplicaShard:
-        if node is None or not node.connected or piece.state in (ShardState.STOPPED, ShardState.FAILED):
-            return piece  # a lost node's shards are the reconciler's to reap
-        reported = node.shards.get(piece.shard_id)
-        if reported is not None:
-            return attrs.evolve(
-                piece,
-                state=reported.state,
-                reason=reported.reason,
-                compute=reported.compute or piece.compute,
-            )
-        started_under = self._started_under.get(piece.shard_id)
-        if started_under is not None and node.registrations > started_under:
-            return attrs.evolve(
-                piece, state=ShardState.FAILED, reason="not running after the agent restarted"
-            )
-        return piece  # its start is on its way, or its first status is
 
     # --- carrying out --------------------------------------------------------------------------
 
