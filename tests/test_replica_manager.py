@@ -126,16 +126,14 @@ def test_an_adopted_replica_is_not_ready_until_its_rank_0_reports():
     registry = FakeRegistry()
     m = ReplicaManager(registry=registry, catalog=Catalog(profile(nodes=2)), engine_secret=None)
     registry.nodes = [FakeNode("n2", [reported_rank(1, "n2")])]
-    m._adopt_reported(now=0.0)
-    m._follow_reports()
+    m._observe(now=0.0)
     (record,) = m._records.values()
     assert [s.rank for s in record.shards] == [1]
     assert record.state == ReplicaState.STARTING
     assert state_of_shards(s.state for s in record.shards) == ReplicaState.STARTING
 
     registry.nodes.append(FakeNode("n1", [reported_rank(0, "n1")]))
-    m._adopt_reported(now=1.0)
-    m._follow_reports()
+    m._observe(now=1.0)
     (record,) = m._records.values()
     assert [s.rank for s in record.shards] == [0, 1]
     assert state_of_shards(s.state for s in record.shards) == ReplicaState.READY
