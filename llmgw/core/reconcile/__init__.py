@@ -18,10 +18,10 @@ counted, and the most important replicas choose first:
               applied to the view before the next, so one pass never gives a GPU twice. A replica
               that fits nowhere tells why for every node, and may preempt lower bands.
 
-The package, one stage per module as Nomad's scheduler splits its own: ``inputs`` (what a pass
-reads), ``actions`` (what it asks for, and the :class:`Plan`), ``holds`` (the ledger of what every
-owner holds while a pass places), ``preemption`` (the search for the cheapest victims), and
-``passes`` (the pass itself).
+The package, one stage per module as Nomad's scheduler splits its own: ``observe`` (the agents'
+reports into the records, before a pass), ``inputs`` (what a pass reads), ``actions`` (what it
+asks for, and the :class:`Plan`), ``holds`` (the ledger of what every owner holds while a pass
+places), ``preemption`` (the search for the cheapest victims), and ``passes`` (the pass itself).
 
 The view of the fleet (``cluster``) is the fleet as discovered, before any replica: online flags,
 GPUs with their health and the memory that processes llmgw did not start leave, host memory and
@@ -35,10 +35,10 @@ reports it gone, so that a replacement never starts on a card an engine still ho
 
 The shell's part, around each pass:
 
-- Keep each record's shard states as the agents report them (ShardStatus; Register). A shard
-  whose StopShard or DrainShard is answered (stopped, or not running) is Stopped. A record's shard
-  that a re-registering agent no longer lists is Failed ("not running after the agent restarted"),
-  and so is one whose StartShard is refused, with the refusal as its reason.
+- Before each pass, bring the agents' reports into the records with :func:`observe.observe`
+  (adoption after a server restart, shard states, shards a restarted agent lost). Between passes,
+  a shard whose StopShard or DrainShard is answered (stopped, or not running) is Stopped, and one
+  whose StartShard is refused is Failed, with the refusal as its reason.
 - Pass every shard the agents list as ``reported``; build ``cluster`` as described above.
 - Store ``Plan.replicas`` as the new set of records, then carry out the actions in order: StartShard
   per spec (with the replica's engine key) for starts and restarts; StopShard, or DrainShard for a
