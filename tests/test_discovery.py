@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from llmgw.agent.discovery import discover, host
+from llmgw.agent.discovery import nvml as nvml_module
 from llmgw.agent.discovery.infiniband import fabric_name, read_ib_ports
 from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.ctl.inventory import inventory_json, render_inventory
@@ -170,6 +171,24 @@ def test_without_own_pids_every_process_is_foreign() -> None:
     gpus, _ = read_gpus(fake_nvml("l40s-x2.json"))
     assert [g.problems for g in gpus] == [("foreign-memory",), ("foreign-memory",)]
     assert gpus[0].foreign_processes == (ForeignProcess(pid=4100, name="/usr/bin/python3", used_mib=41000),)
+
+
+def test_in_a_pid_namespace_of_its_own_no_gpu_process_is_foreign(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a container, NVML's pids are the host's and ours are not: pid 4100 (our engine, as the
+    host numbers it) would be foreign to an agent that knows it as, say, 57. Nothing is judged
+    foreign there, so our engines' GPUs stay healthy and their replicas are not evicted."""
+    container_pids = frozenset({57})
+    gpus, note = read_gpus(fake_nvml("l40s-x2.json"), own_pids=container_pids, host_pids=False)
+    assert note == ""
+    assert [g.problems for g in gpus] == [(), ()]
+    assert [g.foreign_processes for g in gpus] == [(), ()]
+    # Found out by itself when not told: the pid namespace's inode is not the initial one.
+    monkeypatch.setattr(nvml_module, "in_initial_pid_namespace", lambda: False)
+    gpus, _ = read_gpus(fake_nvml("l40s-x2.json"), own_pids=container_pids)
+    assert [g.healthy for g in gpus] == [True, True]
+    monkeypatch.setattr(nvml_module, "in_initial_pid_namespace", lambda: True)
+    gpus, _ = read_gpus(fake_nvml("l40s-x2.json"), own_pids=container_pids)
+    assert [g.problems for g in gpus] == [("foreign-memory",), ("foreign-memory",)]
 
 
 def test_h100_node_flags_the_gpu_with_uncorrected_ecc_errors() -> None:

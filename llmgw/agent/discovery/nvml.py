@@ -9,19 +9,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmgw.agent.processes import in_initial_pid_namespace
 from llmgw.core.gpu_class import gpu_class
 from llmgw.wire.messages import ForeignProcess, Gpu, GpuUse
 
 MIB = 2**20
 
 
-def read_gpus(nvml: Any = None, own_pids: frozenset[int] = frozenset()) -> tuple[tuple[Gpu, ...], str]:
+def read_gpus(
+    nvml: Any = None, own_pids: frozenset[int] = frozenset(), *, host_pids: bool | None = None
+) -> tuple[tuple[Gpu, ...], str]:
     """The node's GPUs in NVML index order, and a note ("" when NVML answered).
 
     ``own_pids`` are the processes llmgw started (every process of its shards): any other process
     holding memory on a GPU makes that GPU unhealthy, since placement would count on memory that
     is not there.
+
+    NVML names processes by their pids in the host's pid namespace. ``host_pids`` says whether
+    ours are those too (None: find out). In a container with a pid namespace of its own they are
+    not, so no process can be told apart from our engines: none is judged foreign, as the
+    supervisor's kill sweep does. Otherwise every engine of ours would mark its GPUs unhealthy
+    and get its replica evicted. Such a node then trusts that nothing else uses its GPUs.
     """
+    if host_pids is None:
+        host_pids = in_initial_pid_namespace()
     if nvml is None:
         try:
             import pynvml as nvml
@@ -32,7 +43,7 @@ def read_gpus(nvml: Any = None, own_pids: frozenset[int] = frozenset()) -> tuple
     except nvml.NVMLError as exc:
         return (), f"no NVML: {exc}"
     try:
-        gpus = tuple(_read_gpu(nvml, i, own_pids) for i in range(nvml.nvmlDeviceGetCount()))
+        gpus = tuple(_read_gpu(nvml, i, own_pids, host_pids) for i in range(nvml.nvmlDeviceGetCount()))
     except nvml.NVMLError as exc:
         # A GPU that fell off the bus (GpuIsLost) or needs a reset: listing the others would
         # invite placements on a node that needs an operator, so it shows none and says why.
@@ -42,13 +53,14 @@ def read_gpus(nvml: Any = None, own_pids: frozenset[int] = frozenset()) -> tuple
     return gpus, ""
 
 
-def _read_gpu(nvml: Any, index: int, own_pids: frozenset[int]) -> Gpu:
+def _read_gpu(nvml: Any, index: int, own_pids: frozenset[int], host_pids: bool = True) -> Gpu:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     name = _text(nvml.nvmlDeviceGetName(handle))
     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
     ecc_uncorrected = _ecc_uncorrected(nvml, handle)
-    foreign = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid not in own_pids]
+    running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    foreign = [p for p in running if p.pid not in own_pids] if host_pids else []
     # usedGpuMemory is None where the driver cannot say (Windows WDDM); a compute process
     # holds a context either way, so only an explicit 0 counts as holding nothing.
     foreign_memory = any(p.usedGpuMemory != 0 for p in foreign)
