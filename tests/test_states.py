@@ -8,6 +8,7 @@ import attrs
 import pytest
 
 from llmgw.core.replica import LIFECYCLE, Replica, ReplicaState
+from llmgw.core.reports import SHARD_LIFECYCLE, ShardState
 from llmgw.core.states import IllegalTransition, Lifecycle
 
 
@@ -81,3 +82,50 @@ def test_replica_moves_the_reconciler_must_never_make(old, new):
 def test_a_replica_state_is_its_string_on_the_wire():
     assert ReplicaState.READY == "Ready"
     assert f"{ReplicaState.READY}" == "Ready"
+
+
+def test_a_table_naming_something_that_is_not_a_state_is_refused():
+    with pytest.raises(ValueError, match="not a state: Ajar"):
+        Lifecycle.of("door", Door, {Door.OPEN: {"Ajar"}, Door.SHUT: (), Door.LOCKED: ()})
+
+
+@attrs.define
+class Task:
+    state: Door
+
+
+def test_a_mutable_record_moves_in_place_through_the_same_check():
+    task = Task(state=Door.OPEN)
+    DOOR.move_in_place(task, Door.SHUT)
+    assert task.state == Door.SHUT
+    with pytest.raises(IllegalTransition, match="door: Locked → Open"):
+        DOOR.move_in_place(Task(state=Door.LOCKED), Door.OPEN)
+
+
+# --- the shard's table (the agent's supervisor moves through it) --------------------------------
+
+
+def test_a_shard_goes_forward_and_ends_from_anywhere_before_its_end():
+    path = [ShardState.STARTING, ShardState.LOADING, ShardState.READY, ShardState.DRAINING]
+    for i, old in enumerate(path):
+        for new in path[i:]:
+            assert SHARD_LIFECYCLE.allows(old, new)
+        for new in path[:i]:
+            assert not SHARD_LIFECYCLE.allows(old, new), f"{old} → {new}"
+        assert SHARD_LIFECYCLE.allows(old, ShardState.STOPPED)
+        assert SHARD_LIFECYCLE.allows(old, ShardState.FAILED)
+    assert SHARD_LIFECYCLE.terminal() == {ShardState.STOPPED, ShardState.FAILED}
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("Stopped", "Starting"),  # a stopped shard is gone; a start makes a new one
+        ("Failed", "Ready"),
+        ("Draining", "Ready"),  # out of rotation for good
+        ("Ready", "Loading"),
+    ],
+)
+def test_shard_moves_the_supervisor_must_never_make(old, new):
+    with pytest.raises(IllegalTransition, match=f"shard: {old} → {new}"):
+        SHARD_LIFECYCLE.check(old, new)

@@ -11,7 +11,8 @@ Cancelling ``run()`` — the agent stopping or restarting — cancels these task
 teardown: engines keep running, their state files stay, and the next agent adopts them, so an
 agent restart costs no model reload. ``stop_all()`` is how engines are stopped on purpose.
 
-States only move forward: Starting → Loading → Ready → Draining, then Stopped or Failed.
+States only move forward: Starting → Loading → Ready → Draining, then Stopped or Failed; every
+change goes through :data:`~llmgw.core.reports.SHARD_LIFECYCLE`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from llmgw.agent.processes import (
 from llmgw.agent.shard_state import ShardRecord
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan
 from llmgw.core.engines.load_metrics import busy_requests
+from llmgw.core.reports import SHARD_LIFECYCLE
 from llmgw.core.shard import LaunchPlan, ShardSpec
 from llmgw.http_probe import ProbeFailed, http_get
 from llmgw.wire.messages import Compute, GpuUse, RunningShard, ShardState, ShardStatus
@@ -75,8 +77,6 @@ KILL_WAIT = 10.0
 # How often a stopping shard's process groups are looked at.
 GONE_POLL = 0.1
 
-_PROGRESS = {ShardState.STARTING: 0, ShardState.LOADING: 1, ShardState.READY: 2, ShardState.DRAINING: 3}
-
 
 @attrs.define(eq=False)
 class _Shard:
@@ -86,7 +86,7 @@ class _Shard:
     health_port: int | None
     directory: Path
     adopted: bool
-    state: str = ShardState.STARTING
+    state: ShardState = ShardState.STARTING  # changed only through SHARD_LIFECYCLE
     compute: Compute | None = None
     processes: list[ProcessRecord] = attrs.field(factory=list)
     children: list[trio.Process] = attrs.field(factory=list)  # the ones this agent started
@@ -95,7 +95,7 @@ class _Shard:
     followers: list[OutputFollower] = attrs.field(factory=list)
     launched: trio.Event = attrs.field(factory=trio.Event)  # every command runs
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    ended: tuple[str, str] | None = None  # (Stopped or Failed, reason), set once
+    ended: tuple[ShardState, str] | None = None  # (Stopped or Failed, reason), set once
     grace: float = FAILED_GRACE  # for what is left at the end; a stop sets its own
     done: trio.Event = attrs.field(factory=trio.Event)  # torn down and forgotten
 
@@ -560,7 +560,7 @@ class Supervisor:
 
     # --- the end of a shard ------------------------------------------------------------------------
 
-    def _end(self, shard: _Shard, state: str, reason: str) -> None:
+    def _end(self, shard: _Shard, state: ShardState, reason: str) -> None:
         """Records why the shard ends (the first reason wins) and cancels its scope."""
         if shard.ended is None:
             shard.ended = (state, reason)
@@ -582,7 +582,7 @@ class Supervisor:
         del self._shards[shard.spec.shard_id]
         log.info("shard %s %s%s", shard.spec.shard_id, state.lower(), f": {reason}" if reason else "")
         failed = state == ShardState.FAILED
-        shard.state = state
+        SHARD_LIFECYCLE.move_in_place(shard, state)
         self._report(shard, reason=reason, log_tail=tuple(shard.tail) if failed else ())
         shard.done.set()
 
@@ -654,9 +654,11 @@ class Supervisor:
             return False
         return True
 
-    def _advance(self, shard: _Shard, state: str) -> None:
-        if shard.ended is None and _PROGRESS[state] > _PROGRESS[shard.state]:
-            shard.state = state
+    def _advance(self, shard: _Shard, state: ShardState) -> None:
+        """Moves a running shard on, if the table goes that way from where it is: a readiness
+        probe that lags behind a drain (Ready after Draining) or a repeat is dropped."""
+        if shard.ended is None and state != shard.state and SHARD_LIFECYCLE.allows(shard.state, state):
+            SHARD_LIFECYCLE.move_in_place(shard, state)
             self._report(shard)
 
     def _report(self, shard: _Shard, *, reason: str = "", log_tail: tuple[str, ...] = ()) -> None:
@@ -669,7 +671,7 @@ class Supervisor:
             log_tail=log_tail,
         )
 
-    def _emit(self, spec: ShardSpec, state: str, **details: Any) -> None:
+    def _emit(self, spec: ShardSpec, state: ShardState, **details: Any) -> None:
         self._on_status(
             ShardStatus(shard_id=spec.shard_id, replica_id=spec.replica_id, state=state, **details)
         )

@@ -7,16 +7,19 @@ reassembly the pieces); the link carries them as they are (wire.messages re-expo
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from llmgw.core.shard import ShardSpec
+from llmgw.core.states import Lifecycle
 from llmgw.core.training import FileDigest
 
 frozen = attrs.frozen(kw_only=True)
 
 
-class ShardState:
-    """A shard's life on its node, as the agent reports it."""
+class ShardState(enum.StrEnum):
+    """A shard's life on its node, as the agent reports it (the strings are what travels)."""
 
     STARTING = "Starting"  # processes launched, the engine does not answer /health yet
     LOADING = "Loading"  # /health answers, the model is not served yet (/v1/models)
@@ -24,6 +27,26 @@ class ShardState:
     DRAINING = "Draining"  # waiting for in-flight requests before stopping
     STOPPED = "Stopped"  # stopped on request
     FAILED = "Failed"  # exited or refused to start; see reason and log tail
+
+
+_SHARD_ENDS = (ShardState.STOPPED, ShardState.FAILED)
+# One shard's life under one agent process, which the supervisor moves only through this table:
+# forward only, and a stop or a failure from anywhere. A rank that serves no HTTP, or an engine
+# that answers /v1/models at its first probe, skips Loading; a shard that was never Ready drains
+# at once. An agent restart begins a new life at Starting for each shard it adopts, which is why
+# the server's copy of a shard's state, following reports, may go back where this table may not.
+SHARD_LIFECYCLE = Lifecycle.of(
+    "shard",
+    ShardState,
+    {
+        ShardState.STARTING: {ShardState.LOADING, ShardState.READY, ShardState.DRAINING, *_SHARD_ENDS},
+        ShardState.LOADING: {ShardState.READY, ShardState.DRAINING, *_SHARD_ENDS},
+        ShardState.READY: {ShardState.DRAINING, *_SHARD_ENDS},
+        ShardState.DRAINING: {*_SHARD_ENDS},
+        ShardState.STOPPED: (),
+        ShardState.FAILED: (),
+    },
+)
 
 
 @frozen
@@ -51,7 +74,10 @@ class RunningShard:
     """A shard the agent runs, as listed in every Register."""
 
     spec: ShardSpec
-    state: str  # a ShardState value
+    # A ShardState value. Plain str on the link, here and below: a state a newer peer added is
+    # then ignored by whoever reads it, where an enum field would fail the message and drop the
+    # link (see wire.codec on rolling upgrades).
+    state: str
     pid: int = 0  # the engine's (the last command's) pid
     compute: Compute | None = None  # None until known
     adopted: bool = False  # started by an earlier agent process

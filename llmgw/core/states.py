@@ -1,9 +1,10 @@
 """Lifecycles as tables: which state may follow which, and one check that raises on anything else.
 
 h11's ``_state.py`` is the model: the table *is* the code. A record's state changes only through
-:meth:`Lifecycle.move` (or :meth:`Lifecycle.check` where the caller builds the record itself), so
-an illegal move — a Stopped replica made Ready, a Succeeded job set Training — fails at the line
-that tried it instead of surfacing later as a record in a state nothing expects.
+:meth:`Lifecycle.move` (:meth:`Lifecycle.move_in_place` for a mutable one, :meth:`Lifecycle.check`
+where the caller builds the record itself), so an illegal move — a Stopped replica made Ready, a
+Succeeded job set Training — fails at the line that tried it instead of surfacing later as a
+record in a state nothing expects.
 
 Staying in the same state is always legal: reports repeat, and a pass that re-applies what is
 already true must not need a special case.
@@ -35,10 +36,14 @@ class Lifecycle(Generic[S]):
     @classmethod
     def of(cls, name: str, states: type[S], moves: Mapping[S, Iterable[S]]) -> Lifecycle[S]:
         """Build one from a table that names every state (a state missing from it is a typo, so
-        it raises here, at import, instead of making that state a dead end)."""
+        it raises here, at import, instead of making that state a dead end). A row or a move
+        naming something that is not one of ``states`` (a plain string mistyped) raises too."""
         missing = set(states) - set(moves)
         if missing:
             raise ValueError(f"{name} lifecycle: no row for {', '.join(sorted(missing))}")
+        strangers = {s for old, new in moves.items() for s in (old, *new) if not isinstance(s, states)}
+        if strangers:
+            raise ValueError(f"{name} lifecycle: not a state: {', '.join(sorted(map(str, strangers)))}")
         return cls(name, {old: frozenset(new) for old, new in moves.items()})
 
     def allows(self, old: str, new: str) -> bool:
@@ -52,6 +57,12 @@ class Lifecycle(Generic[S]):
         """``record`` (a frozen attrs instance with a ``state`` field) in ``new``, with ``changes``."""
         self.check(record.state, new)  # type: ignore[attr-defined]
         return attrs.evolve(record, state=new, **changes)  # type: ignore[misc]
+
+    def move_in_place(self, record: Any, new: S) -> None:
+        """``record`` (a mutable one with a ``state`` attribute: a task's own bookkeeping, as the
+        agent's shards and jobs are) set to ``new``, after the same check as :meth:`move`."""
+        self.check(record.state, new)
+        record.state = new
 
     def terminal(self) -> frozenset[S]:
         """The states nothing follows."""
