@@ -3,14 +3,26 @@ and an operator against them and checking what must always hold."""
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmgw.core import jobs as core
-from llmgw.core.training import ACTIVE_STATES, TERMINAL_STATES, FileDigest, JobState, QaPair, TrainSpec
+from llmgw.core.states import IllegalTransition
+from llmgw.core.training import (
+    ACTIVE_STATES,
+    JOB_LIFECYCLE,
+    TERMINAL_STATES,
+    FileDigest,
+    JobState,
+    QaPair,
+    TrainSpec,
+)
+from llmgw.wire.codec import converter
 from llmgw.wire.messages import JobStatus, RunningJob
 
 T0 = 1_700_000_000.0
@@ -213,10 +225,48 @@ def test_cancel_pending_at_once_and_active_through_the_agent():
         core.cancel(job(state=JobState.FAILED), connected=True, now=T0)
 
 
+# --- the lifecycle table ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (JobState.SUCCEEDED, JobState.TRAINING),  # an ended job never runs again
+        (JobState.FAILED, JobState.CANCELLED),  # nor ends twice
+        (JobState.PENDING, JobState.TRAINING),  # nothing trains what was never sent
+        (JobState.PENDING, JobState.FAILED),  # nor fails
+        (JobState.TRAINING, JobState.SENT),  # reports only move forward
+        (JobState.UPLOADING, JobState.CONVERTING),
+        (JobState.TRAINING, JobState.SUCCEEDED),  # Succeeded only once the files are verified
+    ],
+)
+def test_job_moves_nothing_may_make(old, new):
+    with pytest.raises(IllegalTransition, match=f"job: {old} → {new} is not a legal move"):
+        JOB_LIFECYCLE.move(job(state=old), new)
+
+
+def test_the_rules_refuse_an_illegal_move_instead_of_making_it():
+    with pytest.raises(IllegalTransition):
+        core.end(job(), JobState.FAILED, "a Pending job has nothing to fail", T0)
+
+
+def test_a_job_state_is_its_plain_string_in_the_store_and_an_old_record_still_loads():
+    j = core.apply_status(core.mark_sent(job(), T0), status(JobState.TRAINING, step=2), T0 + 1)
+    record = json.dumps(converter.unstructure(j))
+    assert json.loads(record)["state"] == "Training"
+    # A record as the store held it before states were enums: the same JSON, plain strings.
+    old = {**converter.unstructure(job()), "state": "Sent", "sent": T0}
+    loaded = converter.structure(json.loads(json.dumps(old)), core.Job)
+    assert loaded.state is JobState.SENT and loaded == core.mark_sent(job(), T0)
+    assert converter.structure(json.loads(record), core.Job) == j
+    assert job(state="Failed").state is JobState.FAILED  # built from a string, it holds the enum
+
+
 # --- the state machine ------------------------------------------------------------------------------
 
 NODES = ("n1", "n2")
 REPORTS = (
+    JobState.PENDING,
     JobState.SENT,
     JobState.TRAINING,
     JobState.CONVERTING,
@@ -246,6 +296,11 @@ class JobsMachine(RuleBasedStateMachine):
 
     def put(self, after: core.Job) -> None:
         before = self.jobs.get(after.id)
+        assert isinstance(after.state, JobState), repr(after.state)
+        if before is None:
+            assert after.state == JobState.PENDING
+        else:
+            assert JOB_LIFECYCLE.allows(before.state, after.state), f"{before.state} → {after.state}"
         if before is not None and before.terminal:
             assert after == before, f"terminal job {before.id} changed"
         if after.state == JobState.SUCCEEDED:
@@ -259,6 +314,15 @@ class JobsMachine(RuleBasedStateMachine):
         job_id = f"j-{len(self.jobs)}"
         self.put(job(job_id, node=node, created=self.tick()))
 
+    @initialize(nodes=st.lists(st.sampled_from(NODES), min_size=1, max_size=4))
+    def some_jobs_and_their_nodes(self, nodes: list[str]) -> None:
+        """Runs start with work to do: without it most steps of a run act on nothing."""
+        for node in nodes:
+            self.create(node)
+        for node in set(nodes):
+            assert core.attach(self.jobs, node, [], self.tick()) == core.Attached()  # nothing active yet
+            self.connected.add(node)
+
     @rule()
     def schedule(self) -> None:
         chosen = core.to_send(self.jobs.values(), self.connected)
@@ -269,10 +333,9 @@ class JobsMachine(RuleBasedStateMachine):
             assert not any(o.active and o.node == j.node for o in self.jobs.values())
             self.put(core.mark_sent(j, self.tick()))
 
+    @precondition(lambda self: self.jobs)
     @rule(data=st.data(), state=st.sampled_from(REPORTS), step=st.integers(0, 5), with_files=st.booleans())
     def report(self, data, state: str, step: int, with_files: bool) -> None:
-        if not self.jobs:
-            return
         j = self.jobs[data.draw(st.sampled_from(sorted(self.jobs)))]
         files = FILES if with_files else ()
         after = core.apply_status(j, status(state, job_id=j.id, step=step, files=files), self.tick())
@@ -282,18 +345,69 @@ class JobsMachine(RuleBasedStateMachine):
             assert after.step >= j.step
         self.put(after)
 
+    def ids(self, which) -> list[str]:
+        return sorted(i for i, j in self.jobs.items() if which(j))
+
+    @precondition(lambda self: self.ids(lambda j: j.active and j.node in self.connected))
+    @rule(data=st.data(), convert=st.booleans(), moves=st.integers(1, 3), step=st.integers(0, 5))
+    def agent_moves_on(self, data, convert: bool, moves: int, step: int) -> None:
+        """The agent's own path, in order, so that runs reach the late states as well as the odd
+        reports above: Training, Converting when the model needs GGUF, Uploading with its files."""
+        job_id = data.draw(st.sampled_from(self.ids(lambda j: j.active and j.node in self.connected)))
+        following = {
+            JobState.SENT: JobState.TRAINING,
+            JobState.TRAINING: JobState.CONVERTING if convert else JobState.UPLOADING,
+            JobState.CONVERTING: JobState.UPLOADING,
+            JobState.UPLOADING: JobState.UPLOADING,
+        }
+        for _ in range(moves):
+            j = self.jobs[job_id]
+            if not j.active:
+                break
+            state = following[j.state]
+            files = FILES if state == JobState.UPLOADING else ()
+            self.put(core.apply_status(j, status(state, job_id=j.id, step=step, files=files), self.tick()))
+
+    @precondition(lambda self: self.ids(lambda j: j.state == JobState.UPLOADING))
     @rule(data=st.data())
     def verified(self, data) -> None:
-        uploading = sorted(i for i, j in self.jobs.items() if j.state == JobState.UPLOADING)
-        if uploading:
-            job_id = data.draw(st.sampled_from(uploading))
-            self.server_succeeded.add(job_id)
-            self.put(core.succeed(self.jobs[job_id], self.tick()))
+        job_id = data.draw(st.sampled_from(self.ids(lambda j: j.state == JobState.UPLOADING)))
+        self.server_succeeded.add(job_id)
+        self.put(core.succeed(self.jobs[job_id], self.tick()))
 
+    @precondition(lambda self: self.ids(lambda j: j.state == JobState.SENT))
+    @rule(data=st.data())
+    def never_left(self, data) -> None:
+        """StartJob found the node gone (NodeUnavailable): the shell unsends."""
+        job_id = data.draw(st.sampled_from(self.ids(lambda j: j.state == JobState.SENT)))
+        self.put(core.unsend(self.jobs[job_id]))
+
+    @precondition(lambda self: self.ids(lambda j: j.active))
+    @rule(data=st.data())
+    def shell_fails(self, data) -> None:
+        """What the shell fails itself, and only active jobs: StartJob unanswered or refused, an
+        upload it cannot keep."""
+        job_id = data.draw(st.sampled_from(self.ids(lambda j: j.active)))
+        self.put(core.fail(self.jobs[job_id], "shell", self.tick()))
+
+    @precondition(lambda self: self.ids(lambda j: j.cancel_requested))
+    @rule(data=st.data(), ok=st.booleans())
+    def cancel_answered(self, data, ok: bool) -> None:
+        j = self.jobs[data.draw(st.sampled_from(self.ids(lambda j: j.cancel_requested)))]
+        self.put(core.cancel_answered(j, ok, "not running", self.tick()))
+
+    @precondition(lambda self: self.ids(lambda j: j.state == JobState.UPLOADING))
+    @rule()
+    def server_restart(self) -> None:
+        """Only an upload is the restart's to end (the others wait for their agent), so it is
+        played when one is under way; the nodes come back through register."""
+        self.connected.clear()
+        for j in list(self.jobs.values()):
+            self.put(core.after_restart(j, self.tick()))
+
+    @precondition(lambda self: self.jobs)
     @rule(data=st.data())
     def cancel(self, data) -> None:
-        if not self.jobs:
-            return
         j = self.jobs[data.draw(st.sampled_from(sorted(self.jobs)))]
         try:
             decision = core.cancel(j, j.node in self.connected, self.tick())

@@ -13,6 +13,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.core.shard import ShardSpec
+from llmgw.core.training import JobState
 from llmgw.wire import h2link
 from llmgw.wire.codec import FramingError, LineDecoder, decode, encode
 from llmgw.wire.h2link import STREAM_WINDOW, H2Link, LinkClosed
@@ -23,9 +25,14 @@ from llmgw.wire.messages import (
     Heartbeat,
     IbPort,
     Inventory,
+    JobStatus,
     Ping,
     Pong,
     Register,
+    RunningJob,
+    RunningShard,
+    ShardState,
+    ShardStatus,
     StopShard,
 )
 
@@ -165,6 +172,26 @@ def test_an_older_agents_register_and_stop_decode_with_the_defaults():
     assert stop["grace"] is None  # the agent's own engines.stop_grace decides
     stop["grace"] = 5.0
     assert decode(json.dumps(stop).encode()) == StopShard(id=1, shard_id="s", grace=5.0)
+
+
+def test_states_travel_as_their_plain_strings_and_a_newer_peers_state_still_decodes():
+    spec = ShardSpec(shard_id="s", replica_id="r", model="m", model_path="/m", engine="llamacpp", port=1)
+    shard = ShardStatus(shard_id="s", replica_id="r", state=ShardState.READY)
+    job = JobStatus(job_id="j", state=JobState.TRAINING, step=3)
+    register = Register(
+        node="n",
+        agent_version="0",
+        inventory=Inventory(hostname="n", cpu_count=1, memory_total_mib=1, memory_available_mib=1),
+        shards=(RunningShard(spec=spec, state=ShardState.LOADING),),
+        jobs=(RunningJob(job_id="j", state=JobState.CONVERTING),),
+    )
+    for message in (shard, job, register):
+        assert decode(encode(message)) == message
+    assert json.loads(encode(shard))["state"] == "Ready" and json.loads(encode(job))["state"] == "Training"
+    # A state this side lacks (a newer agent's) is read, not a framing error: the link stays up and
+    # the server's rules ignore a report they do not know.
+    newer = {**json.loads(encode(job)), "state": "Evaluating"}
+    assert decode(json.dumps(newer).encode()).state == "Evaluating"
 
 
 async def test_a_link_carries_on_past_a_message_it_does_not_know(monkeypatch):

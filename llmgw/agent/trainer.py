@@ -63,7 +63,7 @@ from llmgw.agent.processes import (
 )
 from llmgw.agent.train_overlay import Overlay, OverlayFailed
 from llmgw.core.train_device import Choice, child_threads, choose_device
-from llmgw.core.training import GGUF_FILE, FileDigest, JobState, TrainSpec, dump_pairs
+from llmgw.core.training import GGUF_FILE, JOB_LIFECYCLE, FileDigest, JobState, TrainSpec, dump_pairs
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
 from llmgw.wire.pieces import UploadInterrupted, fileobj_digest, iter_pieces
 
@@ -234,7 +234,7 @@ class _Job:
     device: str  # JobStatus.device
     choice: Choice | None  # None for an adopted job (its device is in ``device``)
     adopted: bool = False
-    state: str = JobState.SENT
+    state: JobState = JobState.SENT  # changed only through JOB_LIFECYCLE
     progress: Progress = attrs.field(factory=Progress)
     record: JobRecord | None = None
     children: list[trio.Process] = attrs.field(factory=list)  # the ones this agent started
@@ -560,7 +560,7 @@ class Trainer:
                     raise _JobFailed(f"cannot read the output file {name}: {exc}") from None
                 opened.append((name, file))
             digests = [await trio.to_thread.run_sync(fileobj_digest, name, file) for name, file in opened]
-            job.state = JobState.UPLOADING
+            JOB_LIFECYCLE.move_in_place(job, JobState.UPLOADING)
             status = self._status(job, files=tuple(digests))
 
             async def pieces() -> AsyncIterator[JobPiece]:
@@ -604,7 +604,7 @@ class Trainer:
             log.info("job %s: its files are sent", job.spec.job_id)
         else:
             log.info("job %s %s%s", job.spec.job_id, state.lower(), f": {reason}" if reason else "")
-            job.state = state
+            JOB_LIFECYCLE.move_in_place(job, JobState(state))
             tail = tuple(job.tail) if state == JobState.FAILED else ()
             self._on_status(self._status(job, reason=reason, log_tail=tail))
         job.done.set()
@@ -678,7 +678,7 @@ class Trainer:
         for line in await trio.to_thread.run_sync(lambda: events.read(final=True)):
             job.progress = apply_event(job.progress, line)
         job.tail.extend(_LineReader(job.directory / LOG_FILE).read(final=True))
-        job.state = JobState.TRAINING
+        JOB_LIFECYCLE.move_in_place(job, JobState.TRAINING)
         pidfd = open_pidfd(record.child)
         if pidfd is not None:
             job.pidfd = pidfd
@@ -713,9 +713,9 @@ class Trainer:
         self._on_status(JobStatus(job_id=spec.job_id, state=JobState.FAILED, reason=reason))
         return False, reason
 
-    def _advance(self, job: _Job, state: str) -> None:
+    def _advance(self, job: _Job, state: JobState) -> None:
         if job.ended is None:
-            job.state = state
+            JOB_LIFECYCLE.move_in_place(job, state)
             self._report(job)
 
     def _report(self, job: _Job) -> None:

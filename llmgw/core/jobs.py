@@ -7,7 +7,9 @@ the truth about what runs, the server is the truth about what ended: a terminal 
 again, and an agent still running a job the server has ended is told to cancel it.
 
 Times are wall-clock unix seconds passed in as ``now`` (they are shown to operators and survive a
-restart); nothing here reads a clock. Whether a node is *lost* is not decided here: the registry
+restart); nothing here reads a clock. Every change of a job's state goes through
+:data:`~llmgw.core.training.JOB_LIFECYCLE`, so a move its table does not draw raises where it
+is made. Whether a node is *lost* is not decided here: the registry
 applies :mod:`llmgw.core.liveness` and calls :func:`node_lost`. A disconnect alone is not a loss
 (the agent may be restarting and keeps its child running), except for an upload, whose pieces
 travel on the link that broke and cannot resume.
@@ -21,7 +23,14 @@ import attrs
 
 from llmgw.core.inventory import Gpu
 from llmgw.core.reports import JobStatus, RunningJob
-from llmgw.core.training import ACTIVE_STATES, TERMINAL_STATES, FileDigest, JobState, TrainSpec
+from llmgw.core.training import (
+    ACTIVE_STATES,
+    JOB_LIFECYCLE,
+    TERMINAL_STATES,
+    FileDigest,
+    JobState,
+    TrainSpec,
+)
 
 frozen = attrs.frozen(kw_only=True)
 
@@ -44,7 +53,9 @@ class Job:
     node: str  # where it trains (TrainSpec travels to that node and does not name it)
     # With its pairs: a Pending job must survive a restart and still be sendable.
     spec: TrainSpec
-    state: str = JobState.PENDING
+    # Changed only through JOB_LIFECYCLE. Converted, so that a record built from the store's
+    # plain strings holds the enum like any other.
+    state: JobState = attrs.field(default=JobState.PENDING, converter=JobState)
     reason: str = ""
     created: float = 0.0
     sent: float | None = None  # StartJob sent
@@ -70,12 +81,12 @@ class Job:
         return self.state in ACTIVE_STATES
 
 
-def end(job: Job, state: str, reason: str, now: float) -> Job:
+def end(job: Job, state: JobState, reason: str, now: float) -> Job:
     """``job`` in a terminal state; a job already ended stays as it was."""
     assert state in TERMINAL_STATES, state
     if job.terminal:
         return job
-    return attrs.evolve(job, state=state, reason=reason, finished=now)
+    return JOB_LIFECYCLE.move(job, state, reason=reason, finished=now)
 
 
 def fail(job: Job, reason: str, now: float) -> Job:
@@ -100,14 +111,14 @@ def to_send(jobs: Iterable[Job], connected: Iterable[str]) -> list[Job]:
 
 def mark_sent(job: Job, now: float) -> Job:
     assert job.state == JobState.PENDING, job.state
-    return attrs.evolve(job, state=JobState.SENT, sent=now)
+    return JOB_LIFECYCLE.move(job, JobState.SENT, sent=now)
 
 
 def unsend(job: Job) -> Job:
     """StartJob never left (the node was not connected after all): Pending again."""
     if job.state != JobState.SENT:
         return job
-    return attrs.evolve(job, state=JobState.PENDING, sent=None)
+    return JOB_LIFECYCLE.move(job, JobState.PENDING, sent=None)
 
 
 # --- the agent's reports ------------------------------------------------------------------------
@@ -133,7 +144,7 @@ def apply_status(job: Job, status: JobStatus, now: float) -> Job:
     if status.state in (JobState.FAILED, JobState.CANCELLED):
         tail = tuple(status.log_tail[-LOG_TAIL_LINES:]) or job.log_tail
         default = "cancelled" if status.state == JobState.CANCELLED else "failed on the node"
-        ended = end(job, status.state, status.reason or default, now)
+        ended = end(job, JobState(status.state), status.reason or default, now)
         return attrs.evolve(ended, log_tail=tail)
     if status.state not in ORDER or ORDER[status.state] < ORDER[job.state]:
         return job
@@ -141,8 +152,8 @@ def apply_status(job: Job, status: JobStatus, now: float) -> Job:
         return job  # progress overtaken by a later report
     if status.state == JobState.UPLOADING and job.state != JobState.UPLOADING and not status.files:
         return fail(job, "the agent announced an upload without its list of files", now)
+    state = JobState(status.state)
     changes: dict[str, object] = {
-        "state": status.state,
         "step": max(status.step, job.step),
         "total_steps": status.total_steps or job.total_steps,
         "loss": status.loss if status.loss is not None else job.loss,
@@ -150,19 +161,19 @@ def apply_status(job: Job, status: JobStatus, now: float) -> Job:
         "device": status.device or job.device,
         "log_tail": tuple(status.log_tail[-LOG_TAIL_LINES:]) or job.log_tail,
     }
-    if status.state != job.state:
-        started = _STARTED_FIELD.get(status.state)
+    if state != job.state:
+        started = _STARTED_FIELD.get(state)
         if started is not None:
             changes[started] = now
-        if status.state == JobState.UPLOADING:
+        if state == JobState.UPLOADING:
             changes["files"] = status.files
-    return attrs.evolve(job, **changes)
+    return JOB_LIFECYCLE.move(job, state, **changes)
 
 
 def succeed(job: Job, now: float) -> Job:
     """Every announced file arrived and matched its digest (the shell kept them)."""
     assert job.state == JobState.UPLOADING, job.state
-    return attrs.evolve(job, state=JobState.SUCCEEDED, reason="", finished=now)
+    return JOB_LIFECYCLE.move(job, JobState.SUCCEEDED, reason="", finished=now)
 
 
 def agent_should_cancel(job: Job | None, status: JobStatus) -> bool:

@@ -10,16 +10,19 @@ store without hooks. No torch: the child that trains is the only importer of it.
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 
 import attrs
 
+from llmgw.core.states import Lifecycle
+
 frozen = attrs.frozen(kw_only=True)
 
 
-class JobState:
-    """A job's life. Terminal states never change again."""
+class JobState(enum.StrEnum):
+    """A job's life. Terminal states never change again (the strings are what travels and is stored)."""
 
     PENDING = "Pending"  # in the store, waiting for its node (connected, nothing else training)
     SENT = "Sent"  # StartJob sent, the agent has not reported yet
@@ -33,6 +36,33 @@ class JobState:
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE_STATES = frozenset({JobState.SENT, JobState.TRAINING, JobState.CONVERTING, JobState.UPLOADING})
+
+_JOB_ENDS = (JobState.FAILED, JobState.CANCELLED)
+# Both sides move a job only through this table: the server its record (core.jobs), the agent
+# what it reports (agent.trainer), whose moves are a part of these. Forward only, skipping a state
+# as a report may (a Register lists the state the job has reached; conversion happens only for
+# llama.cpp), Failed or Cancelled from any state before the end; Succeeded only from Uploading,
+# once the server verified the files. Sent → Pending: StartJob never left.
+JOB_LIFECYCLE = Lifecycle.of(
+    "job",
+    JobState,
+    {
+        JobState.PENDING: {JobState.SENT, JobState.CANCELLED},
+        JobState.SENT: {
+            JobState.PENDING,
+            JobState.TRAINING,
+            JobState.CONVERTING,
+            JobState.UPLOADING,
+            *_JOB_ENDS,
+        },
+        JobState.TRAINING: {JobState.CONVERTING, JobState.UPLOADING, *_JOB_ENDS},
+        JobState.CONVERTING: {JobState.UPLOADING, *_JOB_ENDS},
+        JobState.UPLOADING: {JobState.SUCCEEDED, *_JOB_ENDS},
+        JobState.SUCCEEDED: (),
+        JobState.FAILED: (),
+        JobState.CANCELLED: (),
+    },
+)
 
 # Modules a Llama-style model names its attention projections; peft matches these by suffix.
 DEFAULT_TARGET_MODULES = ("q_proj", "v_proj")
