@@ -13,18 +13,19 @@ import urllib.request
 from pathlib import Path
 
 import attrs
+import pytest
 import trio
 
 from llmgw.core.catalog import Model, Profile
-from llmgw.core.liveness import Liveness
+from llmgw.core.liveness import Liveness, NodeState
 from llmgw.core.training import FileDigest, JobState
 from llmgw.server import tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
-from llmgw.server.jobs import JobManager
+from llmgw.server.jobs import COMMAND_TIMEOUT, JobManager
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore
+from llmgw.server.store import AsyncStore, JobRow, Store
 from llmgw.wire.h2link import H2Link, LinkClosed
 from llmgw.wire.messages import (
     CancelJob,
@@ -574,3 +575,91 @@ async def test_job_and_adapter_endpoints_need_the_admin_token(tmp_path: Path, nu
             }
         },
     )
+
+
+# --- the injected clock -------------------------------------------------------------------------
+
+
+@attrs.define
+class SilentNode:
+    name: str
+    inventory: Inventory
+    connected: bool = True
+    state: NodeState = NodeState.ONLINE
+
+
+class SilentAgentRegistry:
+    """One connected node whose agent never answers a command: only the timeout ends the wait."""
+
+    def __init__(self, node: str) -> None:
+        self.node = SilentNode(name=node, inventory=fake_inventory(node))
+        self.watchers: list[object] = []
+        self.calls: list[Message] = []
+
+    def get(self, name: str) -> SilentNode | None:
+        return self.node if name == self.node.name else None
+
+    def list(self) -> list[SilentNode]:
+        return [self.node]
+
+    async def call(self, node: str, message: Message) -> Message:
+        self.calls.append(message)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+class MemoryStore:
+    """The store without its worker threads: the autojump clock would otherwise jump to the next
+    deadline while a task waits for a write, and time out what is merely being written."""
+
+    def __init__(self) -> None:
+        self.job_rows: list[JobRow] = []
+
+    async def read(self, fn, *args):
+        return []
+
+    async def write(self, fn, *args):
+        if fn is Store.save_jobs:
+            self.job_rows += args[0]
+
+
+class FixedCatalog:
+    def models(self) -> dict[str, Model]:
+        return {MODEL.name: MODEL}
+
+    def profiles(self) -> dict[str, Profile]:
+        return {PROFILE.name: PROFILE}
+
+
+async def test_an_unanswered_start_fails_the_job_at_the_timeout_with_the_injected_clocks_times(
+    tmp_path: Path, autojump_clock
+):
+    """The manager's clock is the test's: every time the job records is on it, and the command
+    timeout passes in virtual time, with no real waiting."""
+    t0 = 1_700_000_000.0
+    registry, store = SilentAgentRegistry("n1"), MemoryStore()
+    clock = lambda: t0 + trio.current_time()  # noqa: E731
+    jobs = JobManager(store, registry, FixedCatalog(), tmp_path, clock=clock)  # type: ignore[arg-type]
+    await jobs.load()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(jobs.run)
+        begun = trio.current_time()
+        body = {"model": "tiny", "node": "n1", "adapter": "tiny-qa", "base_dir": "/w/tiny", "pairs": PAIRS}
+        created = await jobs.create(body)
+        assert created.created == t0 + begun
+        with trio.fail_after(4 * COMMAND_TIMEOUT):
+            seen = -1
+            while jobs.get(created.id).state != JobState.FAILED:
+                seen = await jobs.changes.wait_past(seen)
+        nursery.cancel_scope.cancel()
+    failed = jobs.get(created.id)
+    assert [type(m).__name__ for m in registry.calls] == ["StartJob"]
+    assert failed.reason == f"the agent did not answer StartJob within {COMMAND_TIMEOUT:g} s"
+    assert failed.sent == t0 + begun
+    assert failed.finished - failed.sent == pytest.approx(COMMAND_TIMEOUT)
+    # The rows keep the states' plain strings, each written as the job moved.
+    assert [(row.state, type(row.state)) for row in store.job_rows] == [
+        ("Pending", str),
+        ("Sent", str),
+        ("Failed", str),
+    ]

@@ -21,7 +21,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -91,8 +91,19 @@ class Adapter:
 
 
 class JobManager:
-    def __init__(self, store: AsyncStore, registry: NodeRegistry, catalog: Catalog, data_dir: Path) -> None:
+    def __init__(
+        self,
+        store: AsyncStore,
+        registry: NodeRegistry,
+        catalog: Catalog,
+        data_dir: Path,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
+        # Wall-clock unix seconds, the one clock of every time a job records (shown to operators,
+        # kept across restarts); a test passes its own. Command timeouts are trio's (fail_after).
+        self._clock = clock
         self._registry = registry
         self._catalog = catalog
         self.adapters_dir = data_dir / ADAPTERS_DIR
@@ -150,7 +161,7 @@ class JobManager:
                 gguf=bool(row.gguf),
             )
         await trio.to_thread.run_sync(self._remove_unlisted_adapter_dirs)
-        now = time.time()
+        now = self._clock()
         for row in await self._store.read(Store.list_jobs):
             job = converter.structure(json.loads(row.record), core.Job)
             self._jobs[job.id] = job
@@ -204,7 +215,7 @@ class JobManager:
             )
         job_id = _new_id(self._jobs)
         spec = TrainSpec(job_id=job_id, **spec_fields)
-        job = core.Job(id=job_id, node=node, spec=spec, created=time.time())
+        job = core.Job(id=job_id, node=node, spec=spec, created=self._clock())
         self._set(job, None)
         await self.flush()
         return job
@@ -215,7 +226,7 @@ class JobManager:
             raise NotFound([f'job: no job "{job_id}"'])
         node = self._registry.get(job.node)
         try:
-            decision = core.cancel(job, node is not None and node.connected, time.time())
+            decision = core.cancel(job, node is not None and node.connected, self._clock())
         except core.CancelRefused as e:
             raise Conflict([str(e)]) from None
         self._set(decision.job, job)
@@ -247,7 +258,7 @@ class JobManager:
         chosen = core.to_send(self._jobs.values(), connected)
         if not chosen:
             return
-        now = time.time()
+        now = self._clock()
         for job in chosen:
             self._set(core.mark_sent(job, now), job)
         await self.flush()  # Sent is durable before StartJob leaves
@@ -283,7 +294,7 @@ class JobManager:
             return
         current = self._jobs.get(job_id)
         if current is not None and isinstance(reply, CommandResult):
-            self._set(core.cancel_answered(current, reply.ok, reply.message, time.time()), current)
+            self._set(core.cancel_answered(current, reply.ok, reply.message, self._clock()), current)
 
     # --- the agents' reports --------------------------------------------------------------------
 
@@ -306,19 +317,20 @@ class JobManager:
             return
         if job is None:
             return
-        after = core.apply_status(job, status, time.time())
+        now = self._clock()
+        after = core.apply_status(job, status, now)
         if after.state == JobState.UPLOADING and job.state != JobState.UPLOADING:
             try:
                 self._uploads[job.id] = Reassembly(after.files)
             except ReassemblyError as e:
-                after = core.fail(after, f"upload refused: {e}", time.time())
+                after = core.fail(after, f"upload refused: {e}", now)
             else:
                 path = self.incoming_dir / job.id
                 try:
                     _remove(path)
                     path.mkdir(mode=0o700)
                 except OSError as e:
-                    after = core.fail(after, f"upload refused: cannot make {path}: {e.strerror}", time.time())
+                    after = core.fail(after, f"upload refused: cannot make {path}: {e.strerror}", now)
         self._set(after, job)
         if after.state == JobState.FAILED and after.reason.startswith("upload refused"):
             self._spawn(self._send_cancel_to, node, job.id)
@@ -355,7 +367,7 @@ class JobManager:
         except OSError as e:
             self._fail(job.id, f"cannot keep the adapter's files: {e}")
             return
-        now = time.time()
+        now = self._clock()
         done = core.succeed(job, now)
         adapter = Adapter(
             name=job.spec.adapter,
@@ -391,7 +403,7 @@ class JobManager:
     # --- the nodes' links (called by the registry) ----------------------------------------------
 
     def node_attached(self, node: str, register: Register) -> None:
-        attached = core.attach(self._jobs, node, register.jobs, time.time())
+        attached = core.attach(self._jobs, node, register.jobs, self._clock())
         for job in attached.changed:
             self._set(job, self._jobs[job.id])
         for job_id in attached.cancel:
@@ -400,12 +412,12 @@ class JobManager:
         self.changes.bump()  # a node to send to
 
     def node_detached(self, node: str) -> None:
-        for job in core.disconnected(self._jobs.values(), node, time.time()):
+        for job in core.disconnected(self._jobs.values(), node, self._clock()):
             self._set(job, self._jobs[job.id])
         self.changes.bump()
 
     def node_lost(self, node: str) -> None:
-        for job in core.node_lost(self._jobs.values(), node, time.time()):
+        for job in core.node_lost(self._jobs.values(), node, self._clock()):
             self._set(job, self._jobs[job.id])
 
     # --- internals --------------------------------------------------------------------------------
@@ -419,7 +431,7 @@ class JobManager:
 
     def _fail(self, job_id: str, reason: str) -> None:
         job = self._jobs[job_id]
-        self._set(core.fail(job, reason, time.time()), job)
+        self._set(core.fail(job, reason, self._clock()), job)
 
     def _set(self, after: core.Job, before: core.Job | None) -> None:
         """Records a job's new value; logs and marks it for writing when more than progress moved."""
@@ -566,7 +578,8 @@ def _new_id(taken: dict) -> str:
 
 def _job_row(job: core.Job) -> JobRow:
     record = json.dumps(converter.unstructure(job), ensure_ascii=False)
-    return JobRow(job.id, job.node, job.state, job.created, record)
+    # str(): the column holds the state's plain string whatever the driver makes of an enum.
+    return JobRow(job.id, job.node, str(job.state), job.created, record)
 
 
 def _adapter_row(adapter: Adapter) -> AdapterRow:
