@@ -234,6 +234,10 @@ class Node:
     def mend(self) -> None:
         ip("-n", self.fleet.server_ns, "link", "set", self.peer, "up")
 
+    def run(self, args: list[str], log: str) -> Proc:
+        """A process of the test's own in this node's namespace (stopped by ``Fleet.close``)."""
+        return Proc(["ip", "netns", "exec", self.namespace, *args], self.fleet.tmp / log)
+
     def processes(self) -> list[int]:
         """Every process in this node's namespace but its agent: engines and sidecars."""
         agent = self.agent.pid if self.agent is not None and self.agent.popen.poll() is None else None
@@ -293,7 +297,8 @@ class Fleet:
         ip("-n", name, "link", "set", "lo", "up")
 
     def start(self) -> Fleet:
-        self.build()
+        if not self.made:
+            self.build()
         self.server.start()
         for node in self.nodes.values():
             node.start_agent()

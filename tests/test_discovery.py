@@ -380,6 +380,40 @@ def write_proc(root: Path, *, if_inet6: str = "") -> Path:
     return root
 
 
+# Two listeners (0.0.0.0:8080, [::]:31000), one established connection to 8080, and a socket
+# listening on 127.0.0.1:31277 only: as the kernel writes /proc/net/tcp and tcp6.
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1
+   1: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 2 1
+   2: 0100007F:7A2D 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3 1
+"""
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue
+   0: 00000000000000000000000000000000:7918 00000000000000000000000000000000:0000 0A 00000000:00000000
+"""
+
+
+def test_listening_ports_from_proc_net_tcp(tmp_path: Path) -> None:
+    root = write_proc(tmp_path)
+    (root / "net" / "tcp").write_text(PROC_NET_TCP)
+    assert host.listening_ports(root) == {8080, 31277}  # tcp6 missing: IPv4 alone
+    (root / "net" / "tcp6").write_text(PROC_NET_TCP6)
+    assert host.listening_ports(root) == {8080, 31277, 31000}
+
+
+def test_ports_in_use_are_the_listeners_that_are_not_our_shards(tmp_path: Path) -> None:
+    inv = fixture_inventory(tmp_path / "a")
+    assert inv.ports_in_use == ()  # the fixture /proc has no sockets
+    root = write_proc(tmp_path / "b")
+    (root / "net" / "tcp").write_text(PROC_NET_TCP)
+    (root / "net" / "tcp6").write_text(PROC_NET_TCP6)
+    inv = discover(
+        local_address="127.0.0.1", nvml=fake_nvml("l40s-x2.json"), proc_root=root, own_ports={31000}
+    )
+    assert inv.ports_in_use == (8080, 31277)
+
+
 def test_memory_from_meminfo(tmp_path: Path) -> None:
     assert host.memory_mib(write_proc(tmp_path)) == (2113534976 // 1024, 1987654321 // 1024)
 

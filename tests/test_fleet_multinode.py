@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet import SIMULATED, Fleet, public_engines, require_netns
+from tests.fleet import ENGINE_PORTS, ENGINE_PYTHON, SIMULATED, Fleet, public_engines, require_netns
 from tests.procs import wait_until
 
 pytestmark = pytest.mark.slow
@@ -136,3 +136,41 @@ def test_vllm_on_ray_over_two_nodes(tmp_path: Path, engines: dict) -> None:
 
 def test_sglang_over_two_nodes(tmp_path: Path, engines: dict) -> None:
     run_two_node_replica(tmp_path, engines, (("engine",), ("engine",)), engine="sglang")
+
+
+# Holds ports in its namespace, as another program on the node would, and says when it does.
+HOLD_PORTS = (
+    "import socket, sys, time\n"
+    "held = [socket.create_server(('0.0.0.0', int(p))) for p in sys.argv[1:]]\n"
+    "print('holding', flush=True)\n"
+    "time.sleep(3600)\n"
+)
+
+
+def test_ports_another_program_holds_on_a_node_are_not_given_to_engines(
+    tmp_path: Path, engines: dict
+) -> None:
+    fleet = Fleet(tmp_path, dict.fromkeys(("n1", "n2"), H100_ROCE), engines)
+    try:
+        fleet.build()
+        low = ENGINE_PORTS["engine_port_min"]
+        holder = fleet.nodes["n1"].run(
+            [ENGINE_PYTHON, "-c", HOLD_PORTS, str(low), str(low + 1)], "holder.log"
+        )
+        wait_until(lambda: "holding" in holder.output(), "the ports to be held", proc=holder)
+        fleet.start()
+        assert {low, low + 1} <= set(fleet.server.nodes()["n1"]["inventory"]["ports_in_use"])
+        fleet.apply(catalog())
+        fleet.make_key(MODEL)
+        (replica,) = fleet.wait_ready(PROFILE, deadline=READY_DEADLINE)
+        (on_n1,) = [shard for shard in replica["shards"] if shard["node"] == "n1"]
+        assert {on_n1["port"], on_n1["rendezvous_port"]}.isdisjoint({low, low + 1}), replica
+        assert_served(fleet)
+        # Our own engines' ports are not reported in use: they are the reconciler's to count.
+        mine = {on_n1["port"], on_n1["rendezvous_port"]}
+        wait_until(
+            lambda: mine.isdisjoint(fleet.server.nodes()["n1"]["inventory"]["ports_in_use"]),
+            "n1's next inventory",
+        )
+    finally:
+        fleet.close()

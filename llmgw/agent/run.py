@@ -125,6 +125,7 @@ def make_link(
             local_address=local_address,
             fabric_override=config.fabric,
             own_pids=_own_pids(supervisor, trainer),
+            own_ports=_own_ports(supervisor),
             simulate=config.discovery.simulate,
             node=node_name(config),
         )
@@ -142,6 +143,16 @@ def make_link(
         shards=supervisor,
         jobs=trainer,
         adapters=adapters,
+    )
+
+
+def _own_ports(supervisor: Supervisor | None) -> frozenset[int]:
+    # Our engines' and rendezvous ports are the reconciler's to count (it knows which replica
+    # holds each); reported as in use, a replica restarted in place would find its own port taken.
+    if supervisor is None:
+        return frozenset()
+    return frozenset(
+        port for s in supervisor.running() for port in (s.spec.port, s.spec.rendezvous_port) if port
     )
 
 

@@ -79,3 +79,6 @@ class Inventory:
     gpu_note: str = ""
     # The GPUs and RDMA ports come from a file (agent.yaml's discovery.simulate), not the hardware.
     simulated: bool = False
+    # TCP ports something other than our shards listens on: placement gives engines none of them,
+    # or a start would fail on a port another program holds until the replica is moved.
+    ports_in_use: tuple[int, ...] = ()

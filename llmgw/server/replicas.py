@@ -26,6 +26,7 @@ from llmgw.core.catalog import AdapterUnavailable, Profile, StoredAdapter, with_
 from llmgw.core.keys import engine_key
 from llmgw.core.liveness import NodeState
 from llmgw.core.placement import ClusterView, GpuView, NodeView
+from llmgw.core.rdma import chosen_fabric
 from llmgw.core.reconcile import (
     ENDING,
     Action,
@@ -43,12 +44,12 @@ from llmgw.core.reconcile import (
 from llmgw.core.reconcile.observe import observe
 from llmgw.core.replica import COUNTED, Replica, ReplicaState
 from llmgw.core.scaling import LoadSignals, ScaleState, desired_replicas
-from llmgw.core.shard import Fabric, ShardSpec
+from llmgw.core.shard import ShardSpec
 from llmgw.server.adapters import AdapterDelivery, DeliveryFailed, delivery_timeout
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import Node, NodeRegistry, NodeUnavailable
 from llmgw.wire.h2link import LinkClosed
-from llmgw.wire.messages import CommandResult, DrainShard, Inventory, ShardState, StartShard, StopShard
+from llmgw.wire.messages import CommandResult, DrainShard, ShardState, StartShard, StopShard
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,11 @@ class ReplicaManager:
         signals: Callable[[Profile, list[Replica]], LoadSignals] | None = None,
         stored_adapters: Callable[[], Mapping[str, StoredAdapter]] | None = None,
         delivery: AdapterDelivery | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        # Wall-clock seconds: records keep when things happened, for people as well as for
+        # backoffs and timeouts. Tests pass trio's clock to drive those with autojump_clock.
+        self._clock = clock
         self._registry = registry
         self._catalog = catalog
         self._engine_secret = engine_secret
@@ -141,7 +146,7 @@ class ReplicaManager:
                 self._kick = trio.Event()
                 self.run_pass()
                 # Sleep until something changes, the next restart comes due, or the tick.
-                now = time.time()
+                now = self._clock()
                 self._due = {at for at in self._due if at > now}
                 with trio.move_on_after(min([TICK, *(at - now for at in self._due)])):
                     await self._kick.wait()
@@ -159,7 +164,7 @@ class ReplicaManager:
 
     def run_pass(self) -> None:
         """One reconcile pass, synchronous; the commands it needs go out in background tasks."""
-        now = time.time()
+        now = self._clock()
         self._observe(now)
         plan = reconcile(
             models=self._catalog.models(),
@@ -395,7 +400,7 @@ def node_view(node: Node) -> NodeView:
         address=inventory.mgmt_address,
         mgmt_interface=inventory.mgmt_interface,
         fabric=inventory.fabric,
-        rdma=_rdma(inventory),
+        rdma=chosen_fabric(inventory.ib_ports, inventory.fabric),
         gpus=tuple(
             GpuView(
                 index=gpu.index,
@@ -415,19 +420,5 @@ def node_view(node: Node) -> NodeView:
         # and the agent's own "available" figure already has our CPU shards taken out.
         memory_free_mib=inventory.memory_total_mib,
         cpu_cores_free=inventory.cpu_count,
-        ports_in_use=frozenset(),
+        ports_in_use=frozenset(inventory.ports_in_use),
     )
-
-
-def _rdma(inventory: Inventory) -> Fabric:
-    active = [port for port in inventory.ib_ports if port.state == "ACTIVE"]
-    if not active or not inventory.fabric:
-        return Fabric()
-    roce = [port for port in active if port.is_roce]
-    if roce:
-        return Fabric(
-            kind="roce",
-            hcas=tuple(sorted({p.device for p in roce})),
-            gid_index=next((p.roce_v2_gid_index for p in roce if p.roce_v2_gid_index is not None), None),
-        )
-    return Fabric(kind="ib", hcas=tuple(sorted({p.device for p in active})))

@@ -24,6 +24,7 @@ def discover(
     sysfs_root: Path = Path("/sys"),
     proc_root: Path = Path("/proc"),
     own_pids: frozenset[int] = frozenset(),
+    own_ports: frozenset[int] = frozenset(),
     simulate: Path | None = None,
     node: str = "",
 ) -> Inventory:
@@ -34,6 +35,7 @@ def discover(
     node a single-node island on purpose. ``simulate`` (agent.yaml's ``discovery.simulate``) is
     a file of GPUs and RDMA ports read instead of NVML and ``sysfs_root``; ``node`` names the
     uuids it makes up. Host, CPUs, memory and the management interface are always this machine's.
+    ``own_ports`` are our shards' ports: the listening ports reported in use are the others.
     """
     if simulate is None:
         gpus, gpu_note = read_gpus(nvml, own_pids)
@@ -56,6 +58,7 @@ def discover(
         mgmt_address=local_address,
         gpu_note=gpu_note,
         simulated=simulate is not None,
+        ports_in_use=tuple(sorted(host.listening_ports(proc_root) - own_ports)),
     )
 
 

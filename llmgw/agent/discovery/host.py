@@ -40,6 +40,30 @@ def memory_mib(proc_root: Path = Path("/proc")) -> tuple[int, int]:
     return kib["MemTotal"] // 1024, kib["MemAvailable"] // 1024
 
 
+# /proc/net/tcp's "st" column for a listening socket (TCP_LISTEN in the kernel's tcp_states.h).
+TCP_LISTEN = "0A"
+
+
+def listening_ports(proc_root: Path = Path("/proc")) -> frozenset[int]:
+    """The TCP ports sockets listen on in this network namespace, IPv4 and IPv6, any address.
+
+    Any address counts: an engine binds 0.0.0.0, which fails while anything holds the port on
+    one address. Lines read "  0: 00000000:1F90 00000000:0000 0A ..." (local address:port in hex,
+    remote, state).
+    """
+    ports: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc_root / "net" / name).read_text().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 in this kernel or namespace
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == TCP_LISTEN:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return frozenset(ports)
+
+
 def interface_for_address(ip: str, *, proc_root: Path = Path("/proc")) -> str:
     """The name of the local interface holding ``ip`` ("" when none does).
 

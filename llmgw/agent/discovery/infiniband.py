@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
+from llmgw.core.rdma import port_island
 from llmgw.wire.messages import IbPort
 
 ROCE_V2 = "RoCE v2"
@@ -44,11 +45,8 @@ def fabric_name(ports: tuple[IbPort, ...]) -> str:
     "" when no port is ACTIVE: the node is a single-node island.
     """
     for port in ports:
-        if port.state != "ACTIVE" or not port.subnet:
-            continue
-        if port.is_roce:
-            return "roce-" + port.subnet.rsplit(".", 1)[0]
-        return "ib-" + str(ipaddress.IPv6Address(port.subnet + "::"))
+        if port.state == "ACTIVE" and port.subnet:
+            return port_island(port)
     return ""
 
 
