@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from llmgw.core.catalog import Profile
+import trio
+
+from llmgw.core.catalog import Model, Profile
+from llmgw.core.inventory import Inventory
+from llmgw.core.liveness import NodeState
+from llmgw.core.reconcile import ReconcileConfig
 from llmgw.core.replica import Replica, ReplicaState, state_of_shards
+from llmgw.core.restart_policy import RestartPolicy
 from llmgw.core.scaling import EngineLoad, LoadSignals, ScalePolicy
 from llmgw.core.shard import ShardSpec
-from llmgw.server.nodes import Shard
+from llmgw.server.changes import Changes
+from llmgw.server.nodes import Node, Shard
 from llmgw.server.replicas import ReplicaManager
-from llmgw.wire.messages import RunningShard, ShardState
+from llmgw.wire.messages import CommandResult, RunningShard, ShardState, StartShard
 
 POLICY = ScalePolicy()
 
@@ -137,3 +144,92 @@ def test_an_adopted_replica_is_not_ready_until_its_rank_0_reports():
     (record,) = m._records.values()
     assert [s.rank for s in record.shards] == [0, 1]
     assert state_of_shards(s.state for s in record.shards) == ReplicaState.READY
+
+
+class FleetOfOne:
+    """A registry with one CPU node whose agent answers every command at once, and a catalog
+    of one profile: what ReplicaManager.run needs, with no link and no process."""
+
+    def __init__(self, p: Profile) -> None:
+        self.node = Node(
+            name="n1",
+            agent_version="test",
+            inventory=Inventory(
+                hostname="n1", cpu_count=8, memory_total_mib=16_000, memory_available_mib=16_000
+            ),
+            state=NodeState.ONLINE,
+            first_seen=0.0,
+            last_seen=0.0,
+            state_since=0.0,
+            last_heard=0.0,
+            session=object(),  # connected
+            registrations=1,  # registered since this server started: its shards are known
+        )
+        self.changes = Changes()
+        self.started: list[tuple[float, StartShard]] = []
+        self._started_more = trio.Event()
+        self.profile = p
+
+    async def wait_for_starts(self, count: int) -> None:
+        while len(self.started) < count:
+            await self._started_more.wait()
+
+    # the registry
+    def list(self) -> list[Node]:
+        return [self.node]
+
+    def get(self, name: str) -> Node | None:
+        return self.node if name == self.node.name else None
+
+    async def call(self, name: str, command):
+        if isinstance(command, StartShard):
+            self.started.append((trio.current_time(), command))
+            self._started_more.set()
+            self._started_more = trio.Event()
+        return CommandResult(reply_to=0, ok=True, message="")
+
+    # the catalog
+    def models(self) -> dict[str, Model]:
+        return {"m": Model(name="m", path="/m.gguf", format="gguf")}
+
+    def profiles(self) -> dict[str, Profile]:
+        return {self.profile.name: self.profile}
+
+    def report(self, spec: ShardSpec, state: str, reason: str = "") -> None:
+        """A ShardStatus from the agent."""
+        self.node.shards[spec.shard_id] = Shard(
+            shard_id=spec.shard_id,
+            replica_id=spec.replica_id,
+            state=state,
+            since=0.0,
+            spec=spec,
+            reason=reason,
+        )
+        self.changes.bump()
+
+
+async def test_a_failed_replica_restarts_after_its_backoff_on_the_injected_clock(autojump_clock):
+    """The shell reads time from one injected clock, so its backoffs run on trio's: the restart
+    comes due after the policy's delay without the test sleeping through it."""
+    fleet = FleetOfOne(profile())
+    policy = RestartPolicy(initial=30.0)
+    m = ReplicaManager(
+        registry=fleet,
+        catalog=fleet,
+        engine_secret=None,
+        config=ReconcileConfig(restart=policy),
+        clock=trio.current_time,
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(m.run)
+        with trio.fail_after(10):
+            await fleet.wait_for_starts(1)
+        _, first = fleet.started[0]
+        failed_at = trio.current_time()
+        fleet.report(first.spec, ShardState.FAILED, "engine exited with status 1")
+        with trio.fail_after(policy.initial + 10):
+            await fleet.wait_for_starts(2)
+        restarted_at, second = fleet.started[1]
+        assert second.spec.replica_id == first.spec.replica_id
+        assert restarted_at - failed_at >= policy.initial
+        nursery.cancel_scope.cancel()
