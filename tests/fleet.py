@@ -296,13 +296,13 @@ class Fleet:
         self.made.append(name)
         ip("-n", name, "link", "set", "lo", "up")
 
-    def start(self) -> Fleet:
+    def start(self, register_deadline: float = 2 * DEADLINE) -> Fleet:
         if not self.made:
             self.build()
         self.server.start()
         for node in self.nodes.values():
             node.start_agent()
-        wait_until(self._all_connected, "every agent to register", deadline=2 * DEADLINE)
+        wait_until(self._all_connected, "every agent to register", deadline=register_deadline)
         return self
 
     def _all_connected(self) -> bool:
