@@ -9,7 +9,6 @@ import attrs
 
 from llmgw.core.catalog import Model, Profile
 from llmgw.core.placement import ClusterView, Placement, ShardPlacement, Unplaceable, to_shard_specs
-from llmgw.core.reconcile import preemption
 from llmgw.core.reconcile.actions import (
     Action,
     DrainReplica,
@@ -27,6 +26,7 @@ from llmgw.core.reconcile.actions import (
 )
 from llmgw.core.reconcile.holds import Ledger
 from llmgw.core.reconcile.inputs import ReconcileConfig, ReportedShard
+from llmgw.core.reconcile.preemption import SEARCHES_PER_PASS, cheapest_victims, preference, room_being_freed
 from llmgw.core.replica import (
     COUNTED,
     ENDED_SHARD_STATES,
@@ -90,7 +90,7 @@ class Pass:
         self.orphans: list[ReportedShard] = []
         self.fresh: set[str] = set()  # replicas this pass created
         self.ledger = Ledger(cluster, config.port_range)  # filled once something is to be placed
-        self.searches_left = preemption.SEARCHES_PER_PASS
+        self.searches_left = SEARCHES_PER_PASS
 
     def run(self) -> Plan:
         self._observe()
@@ -521,7 +521,7 @@ class Pass:
         leaving = frozenset(
             h.owner for hs in self.ledger.holds.values() for h in hs if self._is_leaving(h.owner)
         )
-        placement = preemption.room_being_freed(self.ledger, profile, leaving)
+        placement = room_being_freed(self.ledger, profile, leaving)
         if placement is not None:
             self.ledger.promise(record.id, placement, profile)
             return "; waiting for room that replicas being stopped are freeing"
@@ -535,14 +535,14 @@ class Pass:
                 and (victim_profile := self.profiles.get(r.profile)) is not None
                 and victim_profile.band < profile.band
             ),
-            key=preemption.preference(self._band),
+            key=preference(self._band),
         )
         if not candidates:
             return ""
         if not self.searches_left:
             return "; whether to preempt is decided on the next pass"
         self.searches_left -= 1
-        best = preemption.cheapest_victims(self.ledger, candidates, profile, leaving, self._band)
+        best = cheapest_victims(self.ledger, candidates, profile, leaving, self._band)
         if best is None:
             return ""
         victims, placement = best
