@@ -83,3 +83,61 @@ def test_the_rules_see_a_broken_one(tmp_path):
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_each_layer_exists(package):
     assert (PACKAGE / package).is_dir()
+
+
+def module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Which llmgw modules each llmgw module imports (``from pkg import submodule`` names the
+    submodule: Python then needs the package only partly initialised)."""
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = ("llmgw", *path.relative_to(root).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [t for t in (f"{node.module}.{a.name}" for a in node.names) if t in names]
+                targets = targets or [node.module]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in names and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while (member := stack.pop()) != node:
+                group.append(member)
+            if group:
+                found.append(sorted([node, *group]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_by_way_of_others():
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
