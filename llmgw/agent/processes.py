@@ -1,4 +1,5 @@
-"""A shard's processes at the operating-system level: spawning, recognising, signalling, output.
+"""The agent's processes at the operating-system level (a shard's engines and sidecars, a training
+job's child and converter): spawning, recognising, signalling, stopping, output.
 
 Linux only: what the agent knows of a process it did not start (one an earlier agent left
 running) comes from /proc, and a process group is the unit that is signalled, because engines
@@ -32,6 +33,10 @@ MAX_OUTPUT_BYTES = 64 * 2**20
 CATCH_UP_BYTES = 256 * 2**10
 # A "line" without a newline (a progress bar, binary noise) is cut at this length.
 MAX_LINE_BYTES = 4096
+# After SIGKILL: a process in uninterruptible sleep (a GPU driver call) takes a moment to go.
+KILL_WAIT = 10.0
+# How often the process groups being stopped are looked at.
+GONE_POLL = 0.1
 
 
 @attrs.frozen(kw_only=True)
@@ -189,6 +194,70 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with code {returncode}"
+
+
+# --- stopping groups -----------------------------------------------------------------------------
+
+
+async def stop_groups(
+    processes: Sequence[ProcessRecord], grace: float, *, children: Iterable[trio.Process] = ()
+) -> set[int]:
+    """SIGTERM group by group, in the order given, within one ``grace``; then SIGKILL what is left.
+
+    One group at a time, because the order can matter (vLLM under Ray shuts its workers down
+    through the Ray head its sidecar runs). ``children`` (the ones this agent started) are reaped
+    once their groups are gone. Returns the pids still alive ``KILL_WAIT`` after the SIGKILL:
+    empty when everything went.
+    """
+    deadline = trio.current_time() + grace
+    for process in processes:
+        await signal_groups([process], signal.SIGTERM)
+        await until_gone([process], deadline)
+    left: set[int] = set()
+    if not await until_gone(processes, trio.current_time()):
+        left = await kill_groups(processes)
+    for child in children:
+        child.poll()  # reaps it: it is gone
+    return left
+
+
+async def kill_groups(processes: Sequence[ProcessRecord]) -> set[int]:
+    """SIGKILL to each group now; the pids still alive ``KILL_WAIT`` later (empty when all went)."""
+    await signal_groups(processes, signal.SIGKILL)
+    if await until_gone(processes, trio.current_time() + KILL_WAIT):
+        return set()
+    return await living_members(processes)
+
+
+async def signal_groups(processes: Sequence[ProcessRecord], signum: int) -> None:
+    """Signals each process's group, and by pid each descendant that left its group (a helper in a
+    session of its own): it holds GPU memory as much as the group does."""
+    pgids = {p.pgid for p in processes if group_is_ours(p)}
+    # Read before signalling: a leader killed at once leaves its helpers to pid 1, where they no
+    # longer look like descendants.
+    table = await trio.to_thread.run_sync(process_table)
+    for process in processes:
+        signal_group(process, signum)
+    for pid in members(pgids, table):
+        if table[pid].pgrp not in pgids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+async def until_gone(processes: Sequence[ProcessRecord], deadline: float) -> bool:
+    """Waits until nothing of the processes' groups lives, or ``deadline``; whether they went."""
+    while await living_members(processes):
+        if trio.current_time() >= deadline:
+            return False
+        await trio.sleep(GONE_POLL)
+    return True
+
+
+async def living_members(processes: Sequence[ProcessRecord]) -> set[int]:
+    table = await trio.to_thread.run_sync(process_table)
+    return members([p.pgid for p in processes if group_is_ours(p)], table)
 
 
 # --- starting and watching ---------------------------------------------------------------------

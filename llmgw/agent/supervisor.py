@@ -21,7 +21,7 @@ import collections
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from llmgw.agent import runas, shard_state
 from llmgw.agent.adapters import AdapterCache, NotDelivered
 from llmgw.agent.discovery.nvml import gpu_memory_by_pid
 from llmgw.agent.processes import (
+    KILL_WAIT,
     OutputFollower,
     ProcessRecord,
     base_environment,
@@ -43,8 +44,8 @@ from llmgw.agent.processes import (
     process_table,
     read_cmdline,
     read_stat,
-    signal_group,
     spawn,
+    stop_groups,
     wait_for_exit,
 )
 from llmgw.agent.shard_state import ShardRecord
@@ -72,10 +73,6 @@ LEADER_CONNECT_TIMEOUT = 5.0
 COMPUTE_WAIT = 30.0
 # Grace for what is left of a shard whose engine or sidecar failed (a Ray head, forked workers).
 FAILED_GRACE = 10.0
-# After SIGKILL: a process in uninterruptible sleep (a GPU driver call) takes a moment to go.
-KILL_WAIT = 10.0
-# How often a stopping shard's process groups are looked at.
-GONE_POLL = 0.1
 
 
 @attrs.define(eq=False)
@@ -574,8 +571,6 @@ class Supervisor:
             follower.read_available(final=True)
         for pidfd in shard.pidfds.values():
             os.close(pidfd)
-        for child in shard.children:
-            child.poll()  # reaps it: it is gone
         # Removed before the shard is forgotten: a start of the same shard id makes its
         # directory afresh, which this must not delete.
         await trio.to_thread.run_sync(shard_state.remove, shard.directory)
@@ -587,52 +582,17 @@ class Supervisor:
         shard.done.set()
 
     async def _stop_processes(self, shard: _Shard, grace: float) -> None:
-        """SIGTERM group by group, engine first, within one grace; then SIGKILL what is left.
+        """SIGTERM group by group, engine first, within one grace; then SIGKILL what is left; the
+        children reaped.
 
         Engine first: vLLM under Ray shuts its workers down through the Ray cluster its sidecar
         runs. Sidecars go too: a Ray head left behind holds the port the next replica needs.
         """
-        deadline = trio.current_time() + grace
-        for process in reversed(shard.processes):
-            await self._signal(shard.processes, signal.SIGTERM, only=process)
-            await self._until_gone([process], deadline)
-        if not await self._until_gone(shard.processes, trio.current_time()):
-            await self._signal(shard.processes, signal.SIGKILL)
-            if not await self._until_gone(shard.processes, trio.current_time() + KILL_WAIT):
-                log.error(
-                    "shard %s: processes %s outlived SIGKILL by %gs",
-                    shard.spec.shard_id,
-                    sorted(await self._alive(shard.processes)),
-                    KILL_WAIT,
-                )
-
-    async def _signal(
-        self, processes: Sequence[ProcessRecord], signum: int, *, only: ProcessRecord | None = None
-    ) -> None:
-        targets = [only] if only is not None else list(processes)
-        for process in targets:
-            signal_group(process, signum)
-        # A descendant that left its group (a helper in a session of its own) is signalled by pid.
-        pgids = {p.pgid for p in targets if group_is_ours(p)}
-        table = await trio.to_thread.run_sync(process_table)
-        for pid in members(pgids, table):
-            if table[pid].pgrp not in pgids:
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
-
-    async def _until_gone(self, processes: Sequence[ProcessRecord], deadline: float) -> bool:
-        while await self._alive(processes):
-            if trio.current_time() >= deadline:
-                return False
-            await trio.sleep(GONE_POLL)
-        return True
-
-    @staticmethod
-    async def _alive(processes: Sequence[ProcessRecord]) -> set[int]:
-        table = await trio.to_thread.run_sync(process_table)
-        return members([p.pgid for p in processes if group_is_ours(p)], table)
+        left = await stop_groups(list(reversed(shard.processes)), grace, children=shard.children)
+        if left:
+            log.error(
+                "shard %s: processes %s outlived SIGKILL by %gs", shard.spec.shard_id, sorted(left), KILL_WAIT
+            )
 
     # --- bookkeeping -------------------------------------------------------------------------------
 

@@ -48,10 +48,12 @@ import trio
 
 from llmgw.agent import runas, state_file
 from llmgw.agent.processes import (
+    KILL_WAIT,
     ProcessRecord,
     base_environment,
     describe_exit,
     group_is_ours,
+    kill_groups,
     members,
     open_output,
     open_pidfd,
@@ -59,6 +61,7 @@ from llmgw.agent.processes import (
     read_cmdline,
     read_stat,
     signal_group,
+    stop_groups,
     wait_for_exit,
 )
 from llmgw.agent.train_overlay import Overlay, OverlayFailed
@@ -88,9 +91,6 @@ TAIL_LINES = 50
 MAX_EVENT_BYTES = 64 * 1024
 # Grace for what is left of a job that failed (a helper the child forked).
 FAILED_GRACE = 10.0
-# After SIGKILL: a process in uninterruptible sleep (a GPU driver call) takes a moment to go.
-KILL_WAIT = 10.0
-GONE_POLL = 0.1
 # The converter imports torch and rewrites every tensor of the adapter.
 CONVERT_TIMEOUT = 1800.0
 # An upload waits this long for the link to be up before the job fails.
@@ -593,8 +593,6 @@ class Trainer:
         state, reason = job.ended
         with trio.CancelScope(shield=True):
             await self._stop_processes(job, job.grace)
-            for child in job.children:
-                child.poll()  # reaps it: it is gone
             if job.pidfd is not None:
                 os.close(job.pidfd)
                 job.pidfd = None
@@ -610,31 +608,17 @@ class Trainer:
         job.done.set()
 
     async def _stop_processes(self, job: _Job, grace: float) -> None:
-        """SIGTERM to each group; SIGKILL what is left after ``grace``."""
-        processes = job.processes()
-        for process in processes:
-            signal_group(process, signal.SIGTERM)
-        if not await self._until_gone(processes, trio.current_time() + grace):
-            for process in processes:
-                signal_group(process, signal.SIGKILL)
-            if not await self._until_gone(processes, trio.current_time() + KILL_WAIT):
-                log.error("job %s: processes outlived SIGKILL by %gs", job.spec.job_id, KILL_WAIT)
+        """SIGTERM to each group; SIGKILL what is left after ``grace``; the children reaped."""
+        left = await stop_groups(job.processes(), grace, children=job.children)
+        if left:
+            log.error(
+                "job %s: processes %s outlived SIGKILL by %gs", job.spec.job_id, sorted(left), KILL_WAIT
+            )
 
     async def _stop_leftovers(self, job: _Job) -> None:
         """What the child forked and left in its group goes with it (it could hold the card)."""
         if job.record is not None and job.record.child is not None:
-            signal_group(job.record.child, signal.SIGKILL)
-            await self._until_gone([job.record.child], trio.current_time() + KILL_WAIT)
-
-    @staticmethod
-    async def _until_gone(processes: Sequence[ProcessRecord], deadline: float) -> bool:
-        while True:
-            table = await trio.to_thread.run_sync(process_table)
-            if not members([p.pgid for p in processes if group_is_ours(p)], table):
-                return True
-            if trio.current_time() >= deadline:
-                return False
-            await trio.sleep(GONE_POLL)
+            await kill_groups([job.record.child])
 
     # --- adoption -------------------------------------------------------------------------------
 
