@@ -81,7 +81,7 @@ def test_a_killed_worker_engine_fails_the_replica_and_it_is_placed_again(tmp_pat
 def test_a_node_cut_off_past_the_lost_window_is_reaped_and_its_old_shards_stopped_on_return(
     tmp_path, engines
 ):
-    with fleet_of(tmp_path, engines, 3, heartbeat_interval=0.3, missed_heartbeats=3) as fleet:
+    with fleet_of(tmp_path, engines, 3, heartbeat_interval=0.5, missed_heartbeats=4) as fleet:
         replica = start_replica(fleet)
         worker = shards_by_rank(replica)[1]
         cut = fleet.nodes[worker["node"]]
