@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from llmgw.agent.runas import EngineUser
+from llmgw.core.exits import describe_exit as describe_exit  # re-exported: the shells take it from here
 
 PROC = Path("/proc")
 # The inode of the initial pid namespace (the kernel's PROC_PID_INIT_INO). NVML reports pids as
@@ -184,16 +185,6 @@ def in_initial_pid_namespace() -> bool:
         return os.stat("/proc/self/ns/pid").st_ino == INITIAL_PID_NAMESPACE
     except OSError:
         return False
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
 
 
 # --- stopping groups -----------------------------------------------------------------------------

@@ -10,8 +10,9 @@ cancel stops the child's whole process group. Either way the job's directory goe
 torch and friends are the child's alone (llmgw/agent/train_child.py, a standalone script the agent
 copies next to the job): the agent must start on a node that has none of them.
 
-Layout of a job (the engines' user must not be able to rewrite what root acts on, so the files
-that name processes to signal, and the ones root reads, are root's):
+Layout of a job (:class:`llmgw.core.train_run.JobLayout` names each path; the engines' user must
+not be able to rewrite what root acts on, so the files that name processes to signal, and the
+ones root reads, are root's):
 
     <work_dir>/jobs/<job_id>/           root, 0711
         state.json                      root, 0600: the spec and the processes (for adoption)
@@ -25,12 +26,14 @@ Cancelling ``run()`` — the agent stopping or restarting — leaves a training 
 next agent adopts it from state.json and follows its events file again. A child that ended while
 no agent ran is judged by its events: finished ("done") goes on to conversion and upload, else
 Failed. A conversion or upload cut short by the restart is done again.
+
+What to start, what the child's events and end mean, and when to report are decided in
+:mod:`llmgw.core.train_run`; this module does the processes, files and messages.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import shutil
@@ -43,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import cattrs
 import trio
 
 from llmgw.agent import runas, state_file
@@ -66,23 +68,28 @@ from llmgw.agent.processes import (
 )
 from llmgw.agent.train_overlay import Overlay, OverlayFailed
 from llmgw.core.train_device import Choice, child_threads, choose_device
-from llmgw.core.training import GGUF_FILE, JOB_LIFECYCLE, FileDigest, JobState, TrainSpec, dump_pairs
+from llmgw.core.train_run import (
+    CHILD_SCRIPT,
+    JobLayout,
+    Progress,
+    adoption_problem,
+    apply_event,
+    child_argv,
+    child_config,
+    child_environment,
+    progress_due,
+    training_failure,
+    upload_time_limit,
+)
+from llmgw.core.train_run import PROGRESS_INTERVAL as PROGRESS_INTERVAL  # the tests read it here
+from llmgw.core.training import GGUF_FILE, JOB_LIFECYCLE, JobState, TrainSpec, dump_pairs
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus, RunningJob
 from llmgw.wire.pieces import UploadInterrupted, fileobj_digest, iter_pieces
 
 log = logging.getLogger(__name__)
 
-CHILD_SCRIPT = "train_child.py"
-EVENTS_FILE = "child.out"
-LOG_FILE = "child.err"
-CONVERT_LOG = "convert.out"
-RUN_DIR = "run"
-OUT_DIR = "out"
 STATE_VERSION = 1
 
-# Progress inside Training goes to the server at most this often: a tiny model makes many steps
-# a second, and the operator's progress bar needs no more.
-PROGRESS_INTERVAL = 0.25
 # How often the child's events and output files are read.
 FOLLOW_INTERVAL = 0.1
 # Lines of the child's (and the converter's) output sent with a failure: enough for a traceback.
@@ -93,11 +100,7 @@ MAX_EVENT_BYTES = 64 * 1024
 FAILED_GRACE = 10.0
 # The converter imports torch and rewrites every tensor of the adapter.
 CONVERT_TIMEOUT = 1800.0
-# An upload waits this long for the link to be up before the job fails.
-UPLOAD_WAIT = 300.0
 _UPLOADED = "Uploaded"  # the agent's last word on a job that went well; the server says Succeeded
-
-_converter = cattrs.Converter(forbid_extra_keys=False)
 
 Upload = Callable[[JobStatus, AsyncIterator[JobPiece]], Awaitable[None]]
 
@@ -113,67 +116,6 @@ def child_script() -> Path:
 
 def job_id_problem(job_id: str) -> str:
     return state_file.id_problem("job id", job_id)
-
-
-# --- the child's events (pure) -----------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class Progress:
-    """What the child has said so far (its stdout protocol, folded)."""
-
-    total_steps: int = 0
-    step: int = 0
-    loss: float | None = None
-    peak_mib: int = 0
-    done: bool = False
-    files: tuple[str, ...] = ()
-    error: str = ""
-
-
-def apply_event(progress: Progress, line: str) -> Progress:
-    """The progress after one stdout line. A line that is not an event (stray library output)
-    changes nothing: the protocol says stdout holds only events, but a library may disagree."""
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return progress
-    if not isinstance(event, dict):
-        return progress
-    match event.get("event"):
-        case "start":
-            return attrs.evolve(progress, total_steps=_int(event.get("total_steps"), progress.total_steps))
-        case "step":
-            loss = event.get("loss")
-            return attrs.evolve(
-                progress,
-                step=_int(event.get("step"), progress.step),
-                total_steps=_int(event.get("total_steps"), progress.total_steps),
-                loss=float(loss) if isinstance(loss, int | float) and not isinstance(loss, bool) else None,
-                peak_mib=max(progress.peak_mib, _int(event.get("peak_mib"), 0)),
-            )
-        case "done":
-            files = event.get("files")
-            names = tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else ()
-            return attrs.evolve(
-                progress,
-                done=True,
-                files=names,
-                peak_mib=max(progress.peak_mib, _int(event.get("peak_mib"), 0)),
-            )
-        case "error":
-            message = str(event.get("message") or "the child reported an error")
-            return attrs.evolve(progress, error=" ".join(message.split())[:500])
-    return progress
-
-
-def _int(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def progress_due(last_sent: float | None, now: float, interval: float = PROGRESS_INTERVAL) -> bool:
-    """Whether a progress status may go now (state changes always go)."""
-    return last_sent is None or now - last_sent >= interval
 
 
 # --- the state file ------------------------------------------------------------------------------
@@ -247,12 +189,8 @@ class _Job:
     done: trio.Event = attrs.field(factory=trio.Event)
 
     @property
-    def run_dir(self) -> Path:
-        return self.directory / RUN_DIR
-
-    @property
-    def out_dir(self) -> Path:
-        return self.run_dir / OUT_DIR
+    def layout(self) -> JobLayout:
+        return JobLayout(self.directory)
 
     def processes(self) -> list[ProcessRecord]:
         if self.record is None:
@@ -404,32 +342,16 @@ class Trainer:
             pythonpath = await self._overlay.path(user) if self._check_overlay else ""
         except OverlayFailed as exc:
             raise _JobFailed(str(exc)) from None
-        choice = job.choice
-        threads = str(child_threads(self._threads, self._cpu_count, on_gpu=choice.gpu_index is not None))
-        env = {
-            **base_environment(user),
-            "OMP_NUM_THREADS": threads,
-            "MKL_NUM_THREADS": threads,
-            # The chosen card only, counted as NVML counts them (as for engines).
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": "" if choice.gpu_index is None else str(choice.gpu_index),
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            # Weights come from base_dir; a node that reaches the hub must not fetch anything.
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            **({"PYTHONPATH": pythonpath} if pythonpath else {}),
-        }
-        argv = [self._python, str(job.run_dir / CHILD_SCRIPT), str(job.run_dir / "child.json")]
+        gpu_index = job.choice.gpu_index
+        threads = child_threads(self._threads, self._cpu_count, on_gpu=gpu_index is not None)
+        env = child_environment(
+            base_environment(user), threads=threads, gpu_index=gpu_index, pythonpath=pythonpath
+        )
+        layout = job.layout
+        argv = child_argv(self._python, layout)
         try:
             process = await _spawn(
-                argv,
-                env=env,
-                user=user,
-                cwd=job.run_dir,
-                stdout=job.directory / EVENTS_FILE,
-                stderr=job.directory / LOG_FILE,
+                argv, env=env, user=user, cwd=layout.run_dir, stdout=layout.events, stderr=layout.log
             )
         except OSError as exc:
             raise _JobFailed(f"cannot start the training child ({self._python}): {exc}") from None
@@ -442,36 +364,26 @@ class Trainer:
 
     def _prepare(self, job: _Job, user: runas.EngineUser) -> None:
         """The job's directories and the child's inputs (blocking; in a worker thread)."""
+        layout = job.layout
         self._jobs_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self._jobs_dir, 0o711)
         shutil.rmtree(job.directory, ignore_errors=True)  # a leftover of an earlier run
         job.directory.mkdir(mode=0o711)
         os.chmod(job.directory, 0o711)
-        job.run_dir.mkdir(mode=0o700)
-        job.out_dir.mkdir(mode=0o700)
-        shutil.copyfile(self._script, job.run_dir / CHILD_SCRIPT)
-        params = _converter.unstructure(job.spec.params)
-        child = {
-            "base_dir": job.spec.base_dir,
-            "pairs_path": str(job.run_dir / "pairs.jsonl"),
-            "output_dir": str(job.out_dir),
-            "device": job.choice.child_device if job.choice else "cpu",
-            "params": {**params, "target_modules": list(params["target_modules"])},
-        }
-        _write_private(job.run_dir / "pairs.jsonl", dump_pairs(job.spec.pairs))
-        _write_private(job.run_dir / "child.json", json.dumps(child, indent=1))
-        os.chmod(job.run_dir / CHILD_SCRIPT, 0o600)
-        for path in (
-            job.run_dir,
-            job.out_dir,
-            *(job.run_dir / n for n in (CHILD_SCRIPT, "pairs.jsonl", "child.json")),
-        ):
+        layout.run_dir.mkdir(mode=0o700)
+        layout.out_dir.mkdir(mode=0o700)
+        shutil.copyfile(self._script, layout.child_script)
+        device = job.choice.child_device if job.choice else "cpu"
+        _write_private(layout.pairs, dump_pairs(job.spec.pairs))
+        _write_private(layout.child_config, child_config(job.spec, layout, device))
+        os.chmod(layout.child_script, 0o600)
+        for path in (layout.run_dir, layout.out_dir, *layout.child_inputs()):
             os.chown(path, user.uid, user.gid)
 
     async def _train(self, job: _Job) -> None:
         """Follows the child until it exits; returns when it finished, else raises _JobFailed."""
-        events = _LineReader(job.directory / EVENTS_FILE)
-        errors = _LineReader(job.directory / LOG_FILE)
+        events = _LineReader(job.layout.events)
+        errors = _LineReader(job.layout.log)
 
         def read(final: bool = False) -> None:
             for line in events.read(final=final):
@@ -497,14 +409,9 @@ class Trainer:
             nursery.cancel_scope.cancel()
         read(final=True)
         await self._stop_leftovers(job)
-        progress = job.progress
-        if progress.error:
-            raise _JobFailed(f"training failed: {progress.error}")
-        if exit_status not in (0, None):
-            raise _JobFailed(f"the training child {describe_exit(exit_status)}")
-        if not progress.done:
-            how = "exited" if exit_status is None else describe_exit(exit_status)
-            raise _JobFailed(f"the training child {how} without reporting done")
+        failure = training_failure(job.progress, exit_status)
+        if failure:
+            raise _JobFailed(failure)
         self._report(job)  # the last step, whatever the rate limit held back
 
     async def _convert(self, job: _Job) -> str:
@@ -526,12 +433,15 @@ class Trainer:
                 f"engines.lora_converter{where} must name llama.cpp's convert_lora_to_gguf.py"
             )
         user = await trio.to_thread.run_sync(self._engine_user)
-        outfile = job.out_dir / GGUF_FILE
-        argv = lora_convert.convert_argv(self._python, script, job.out_dir, Path(job.spec.base_dir), outfile)
+        layout = job.layout
+        outfile = layout.out_dir / GGUF_FILE
+        argv = lora_convert.convert_argv(
+            self._python, script, layout.out_dir, Path(job.spec.base_dir), outfile
+        )
         env = {**base_environment(user), "OMP_NUM_THREADS": "1", **lora_convert.converter_env(script)}
-        output = job.directory / CONVERT_LOG
+        output = layout.convert_log
         try:
-            process = await _spawn(argv, env=env, user=user, cwd=job.run_dir, stdout=output, stderr=output)
+            process = await _spawn(argv, env=env, user=user, cwd=layout.run_dir, stdout=output, stderr=output)
         except OSError as exc:
             raise _JobFailed(f"cannot start the GGUF converter ({self._python}): {exc}") from None
         job.children.append(process)
@@ -555,7 +465,7 @@ class Trainer:
         try:
             for name in names:
                 try:
-                    file = await trio.to_thread.run_sync(_open_output, job.out_dir, name, user)
+                    file = await trio.to_thread.run_sync(_open_output, job.layout.out_dir, name, user)
                 except (OSError, ValueError) as exc:
                     raise _JobFailed(f"cannot read the output file {name}: {exc}") from None
                 opened.append((name, file))
@@ -569,7 +479,7 @@ class Trainer:
                     while (piece := await trio.to_thread.run_sync(next, source, None)) is not None:
                         yield piece
 
-            with trio.move_on_after(UPLOAD_WAIT + _upload_allowance(digests)) as timeout:
+            with trio.move_on_after(upload_time_limit(digests)) as timeout:
                 try:
                     await self._upload_to_server(status, pieces())
                 except UploadInterrupted as exc:
@@ -658,18 +568,13 @@ class Trainer:
         if record.converter is not None:
             signal_group(record.converter, signal.SIGKILL)
             job.record = attrs.evolve(record, converter=None)
-        events = _LineReader(job.directory / EVENTS_FILE)
+        events = _LineReader(job.layout.events)
         for line in await trio.to_thread.run_sync(lambda: events.read(final=True)):
             job.progress = apply_event(job.progress, line)
-        job.tail.extend(_LineReader(job.directory / LOG_FILE).read(final=True))
+        job.tail.extend(_LineReader(job.layout.log).read(final=True))
         JOB_LIFECYCLE.move_in_place(job, JobState.TRAINING)
-        pidfd = open_pidfd(record.child)
-        if pidfd is not None:
-            job.pidfd = pidfd
-            return ""
-        if job.progress.done and not job.progress.error:
-            return ""  # it finished while no agent ran: on to conversion and upload
-        return "the training child exited while the agent was down, without reporting done"
+        job.pidfd = open_pidfd(record.child)
+        return adoption_problem(job.progress, child_alive=job.pidfd is not None)
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -787,8 +692,3 @@ def _open_output(out_dir: Path, name: str, user: runas.EngineUser) -> Any:
         os.close(fd)
         raise ValueError("not a regular file of the engines' user")
     return os.fdopen(fd, "rb")
-
-
-def _upload_allowance(digests: Sequence[FileDigest]) -> float:
-    # A slow link still moves a megabyte a second; beyond that, the link is the problem.
-    return sum(d.size for d in digests) / 2**20
