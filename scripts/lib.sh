@@ -24,3 +24,20 @@ ensure_venv() {
     touch .venv/.llmgw-installed
   fi
 }
+
+# Debian packages the tests start for real: iproute2 (the fleet tests' network namespaces) and a
+# system python3 (engines run as an unprivileged user, who cannot enter a venv under /root).
+# Installed only when missing, and only where apt-get and root are there to do it.
+ensure_test_packages() {
+  local missing=()
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  [ -x /usr/bin/python3 ] || missing+=(python3)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "missing ${missing[*]}: install them (the tests that need them fail without)" >&2
+    return 0
+  fi
+  echo "==> installing ${missing[*]} (Debian packages)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
+}

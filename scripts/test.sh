@@ -11,6 +11,8 @@ echo "==> ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
+ensure_test_packages
+
 echo "==> real parts for the tests (llama.cpp, SmolLM2)"
 scripts/fetch-test-parts.sh
 
