@@ -259,7 +259,7 @@ async def serve_full_gateway(engine_port: int, use_pump: bool) -> None:
     from llmgw.server.routing import FixedRoutes
     from llmgw.server.store import AsyncStore
     from llmgw.server.tenants import Tenants
-    from llmgw.server.usage import UsageRecorder
+    from llmgw.server.usage_book import UsageRecorder
 
     with tempfile.TemporaryDirectory() as data_dir:
         store = await AsyncStore.open(Path(data_dir))

@@ -24,7 +24,7 @@ from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.store import AsyncStore, UsageRecord
 from llmgw.server.tenants import Tenants
-from llmgw.server.usage import UsageRecorder
+from llmgw.server.usage_book import UsageRecorder
 from llmgw.wire.messages import Gpu, Inventory, Ping, Pong, Register
 from tests.helpers import admin_call
 

@@ -19,7 +19,7 @@ from llmgw.gateway.engine_http import EngineConnection
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.pool import UpstreamPool
 from llmgw.gateway.relay import Relay
-from llmgw.gateway.usage import StreamUsage
+from llmgw.gateway.usage_scan import StreamUsage
 
 ENGINE_KEY = "engine-secret"
 USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}

@@ -17,7 +17,7 @@ from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import RequestRecord, Upstream
 from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.metrics import GatewayMetrics
-from llmgw.server.metrics import EngineSample, EngineScraper, parse_engine_metrics
+from llmgw.server.scrape import EngineSample, EngineScraper, parse_engine_metrics
 from tests import fake_engine
 from tests.helpers import wait_for
 from tests.test_gateway_relay import ENGINE_KEY, FakeEngine, Gateway, chat
@@ -196,7 +196,7 @@ async def rounds_past(scraper: EngineScraper, rounds: int) -> None:
 
 
 async def test_scraper_keeps_load_and_logs_only_transitions(nursery, autojump_clock, caplog):
-    caplog.set_level(logging.INFO, logger="llmgw.server.metrics")
+    caplog.set_level(logging.INFO, logger="llmgw.server.scrape")
     server = MetricsServer(LLAMACPP_TEXT)
     await server.up(nursery)
     replicas = OneReplica(server.port)

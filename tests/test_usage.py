@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from llmgw.server.store import AsyncStore, Store, StoreError, UsageRecord
-from llmgw.server.usage import UsageRecorder, parse_group_by, parse_time
+from llmgw.server.usage_book import UsageRecorder, parse_group_by, parse_time
 from tests.helpers import kill_9_after
 
 CHILD = Path(__file__).with_name("usage_writer_child.py")

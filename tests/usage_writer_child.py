@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 
 from llmgw.server.store import AsyncStore, UsageRecord
-from llmgw.server.usage import UsageRecorder
+from llmgw.server.usage_book import UsageRecorder
 
 MAX_BATCH = 20
 UNFLUSHED = 7

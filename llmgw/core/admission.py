@@ -333,7 +333,11 @@ class AdmissionLane:
             if decision is not None and not decision.wait:
                 return self._go(arrival.id, decision)
         waiter = Waiter(
-            id=arrival.id, tenant=arrival.tenant, band=arrival.band, enqueued_at=now, deadline=arrival.deadline
+            id=arrival.id,
+            tenant=arrival.tenant,
+            band=arrival.band,
+            enqueued_at=now,
+            deadline=arrival.deadline,
         )
         pushed = self.queue.push(waiter)
         if isinstance(pushed, Rejected):

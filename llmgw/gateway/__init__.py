@@ -9,7 +9,7 @@ from llmgw.gateway.contract import Gate, RequestRecord, Router, StaticRouter, Up
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.http import MAX_BODY_BYTES, serve_gateway
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT
-from llmgw.gateway.usage import Usage
+from llmgw.gateway.usage_scan import Usage
 
 __all__ = [
     "MAX_BODY_BYTES",

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from llmgw.gateway.usage import Usage
+from llmgw.gateway.usage_scan import Usage
 
 
 @attrs.frozen

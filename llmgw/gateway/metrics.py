@@ -50,7 +50,7 @@ class QueueDepths(Protocol):
 
 
 class EngineSamples(Protocol):
-    """server.metrics.EngineScraper, as seen here: samples with model, running, waiting, saturation."""
+    """server.scrape.EngineScraper, as seen here: samples with model, running, waiting, saturation."""
 
     def snapshot(self) -> Mapping[str, Any]: ...
 

@@ -27,7 +27,7 @@ import select
 import trio
 
 from llmgw.gateway.engine_http import RECEIVE_SIZE, EngineConnection, EngineFailed
-from llmgw.gateway.usage import StreamUsage
+from llmgw.gateway.usage_scan import StreamUsage
 
 log = logging.getLogger(__name__)
 

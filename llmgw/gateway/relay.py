@@ -2,7 +2,7 @@
 
 The body is decoded once, for the model name (and, for streams, to ask for usage). The answer is
 not decoded: non-streaming bodies are passed on as they arrive and searched for their usage at the
-end; streams are passed on event by event (see :mod:`llmgw.gateway.usage`), by the stream pump
+end; streams are passed on event by event (see :mod:`llmgw.gateway.usage_scan`), by the stream pump
 (:mod:`llmgw.gateway.pump`) where there is one.
 
 Where to: the gate's ticket carries the upstreams in the order chosen for the request (see
@@ -30,7 +30,7 @@ from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
 from llmgw.gateway.pump import ClientGone, PumpedStream, StreamPump
 from llmgw.gateway.responder import Headers, Responder
-from llmgw.gateway.usage import StreamUsage, usage_in_body
+from llmgw.gateway.usage_scan import StreamUsage, usage_in_body
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from llmgw.server.tenants import (
 )
 from llmgw.server.tenants import Invalid as TenantInvalid
 from llmgw.server.tenants import NotFound as TenantNotFound
-from llmgw.server.usage import UsageRecorder, parse_group_by, parse_time
+from llmgw.server.usage_book import UsageRecorder, parse_group_by, parse_time
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
 from llmgw.wire.messages import Ping, Pong

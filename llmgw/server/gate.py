@@ -56,7 +56,7 @@ class KeyDirectory(Protocol):
 
 
 class UsageSink(Protocol):
-    """server.usage.UsageRecorder: record() never waits (records are written in batches)."""
+    """server.usage_book.UsageRecorder: record() never waits (records are written in batches)."""
 
     def record(self, record: UsageRecord) -> None: ...
 

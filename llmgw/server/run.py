@@ -35,13 +35,13 @@ from llmgw.server.catalog import Catalog
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.jobs import JobManager
 from llmgw.server.link import LinkListener
-from llmgw.server.metrics import EngineScraper
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
 from llmgw.server.routing import ReplicaRouter
+from llmgw.server.scrape import EngineScraper
 from llmgw.server.store import AsyncStore, Store
 from llmgw.server.tenants import Tenants
-from llmgw.server.usage import UsageRecorder
+from llmgw.server.usage_book import UsageRecorder
 
 log = logging.getLogger(__name__)
 
