@@ -73,6 +73,8 @@ def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_same_process() -> None:
         trio.run(wait_for, lambda: processes.read_stat(zombie.pid).state == "Z", "the child to be a zombie")
         assert not processes.read_stat(zombie.pid).alive
 
+        # Popen returns once the exec began; /proc may show the new command line a moment later.
+        trio.run(wait_for, lambda: processes.read_cmdline(sleeper.pid) == ("sleep", "60"), "sleep to run")
         sleeper_stat = processes.read_stat(sleeper.pid)
         own = ProcessRecord(
             name="engine",

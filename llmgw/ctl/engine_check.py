@@ -67,7 +67,7 @@ class EngineReport:
 
 
 def add_parser(commands, add) -> None:
-    """Adds ``engine-check`` to ctl's subcommands; ``add`` is commands.py's ``_add``."""
+    """Adds ``engine-check`` to ctl's subcommands; ``add`` is ctl.subcommand.add."""
     parser = add(
         commands,
         "engine-check",
