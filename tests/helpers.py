@@ -20,7 +20,8 @@ from llmgw.server.nodes import NodeRegistry
 from llmgw.server.store import AsyncStore
 from llmgw.wire.messages import Inventory
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent  # fixtures, goldens and the fakes' scripts live here
+PROJECT_ROOT = TESTS.parent
 
 # Generous: the suite must pass on a loaded 2-core machine. A condition that holds returns at once.
 DEADLINE = 20.0

@@ -16,8 +16,9 @@ from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.ctl.inventory import inventory_json, render_inventory
 from llmgw.wire.codec import converter
 from llmgw.wire.messages import ForeignProcess, IbPort, Inventory
+from tests.helpers import TESTS
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = TESTS / "fixtures"
 SYSFS = FIXTURES / "sysfs"
 MIB = 2**20
 

@@ -10,9 +10,9 @@ import trio
 
 from llmgw.server.store import AsyncStore, Store, StoreError, UsageRecord
 from llmgw.server.usage_book import UsageRecorder, parse_group_by, parse_time
-from tests.helpers import kill_9_after
+from tests.helpers import TESTS, kill_9_after
 
-CHILD = Path(__file__).with_name("usage_writer_child.py")
+CHILD = TESTS / "usage_writer_child.py"
 
 DAY1 = datetime(2026, 11, 1, 12, tzinfo=UTC).timestamp()
 DAY2 = datetime(2026, 11, 2, 9, tzinfo=UTC).timestamp()

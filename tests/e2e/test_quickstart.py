@@ -7,13 +7,13 @@ import os
 import re
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import PROJECT_ROOT
 from tests.real_parts import require_llama_server, require_smollm2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = PROJECT_ROOT
 pytestmark = pytest.mark.slow
 
 

@@ -37,17 +37,17 @@ from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.shard import GpuRef, ShardSpec
 from llmgw.http_probe import http_get
 from llmgw.wire.messages import Compute, GpuUse, ShardState, ShardStatus
+from tests.agent.test_discovery import FakeNvml
 from tests.conftest import group_exists
-from tests.helpers import DEADLINE, wait_for
+from tests.helpers import DEADLINE, TESTS, wait_for
 from tests.procs import kill_recorded_shards
-from tests.test_discovery import FakeNvml
 
 pytestmark = pytest.mark.slow
 
 # The engine user cannot run the virtualenv's interpreter (it lives under /root); the fake
 # engine needs only the standard library.
 ENGINE_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
-FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+FAKE_ENGINE = TESTS / "fake_engine.py"
 
 KEY = "engine-key-0123456789"
 HEALTH_INTERVAL = 0.1

@@ -21,9 +21,9 @@ from llmgw.server.store import (
     TenantRow,
     UsageRecord,
 )
-from tests.helpers import kill_9_after
+from tests.helpers import TESTS, kill_9_after
 
-CHILD = Path(__file__).with_name("store_writer_child.py")
+CHILD = TESTS / "store_writer_child.py"
 
 
 @pytest.fixture

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.processes import read_stat
+from tests.helpers import TESTS
 from tests.procs import Server, kill_recorded_shards, start_agent, wait_until
 
 pytestmark = pytest.mark.slow
 
-FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
+FAKE_ENGINE = TESTS / "fake_engine.py"
 
 
 def fake_llama_server(tmp: Path, name: str = "llama-server", **knobs: str) -> str:

@@ -5,7 +5,6 @@ nothing outside ``llmgw/core/engines`` names an engine (so a new one is one modu
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import attrs
 import pytest
@@ -15,8 +14,9 @@ from llmgw.core.catalog import Model, Profile, validate_profile
 from llmgw.core.engines import DEFAULT_BINARIES, ENGINES, LAUNCHERS, Engine, build_plan, registry, validate
 from llmgw.core.engines.load_metrics import BUSY_METRICS, ENGINE_METRICS
 from llmgw.core.shard import ShardSpec
+from tests.helpers import PROJECT_ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "llmgw"
+PACKAGE = PROJECT_ROOT / "llmgw"
 ENGINES_DIR = PACKAGE / "core" / "engines"
 
 

@@ -19,7 +19,7 @@ from llmgw.core.bench_stats import percentile, rate, summarize
 from llmgw.ctl import bench, commands
 from llmgw.ctl.commands import add_ctl_parser
 from llmgw.gateway.h11_stream import H11Stream
-from tests.test_gateway_relay import ENGINE_KEY, FakeEngine, json_reply, streaming_reply
+from tests.gateway.test_gateway_relay import ENGINE_KEY, FakeEngine, json_reply, streaming_reply
 
 # --- statistics ---------------------------------------------------------------------------------
 

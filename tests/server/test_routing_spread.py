@@ -26,8 +26,8 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.routing import ReplicaRouter
 from llmgw.wire.messages import Inventory
+from tests.gateway.test_gateway_relay import ANSWER, Client, FakeEngine, json_reply
 from tests.helpers import wait_for
-from tests.test_gateway_relay import ANSWER, Client, FakeEngine, json_reply
 
 KEY = "Bearer tenant-key"
 REQUESTS = 40

@@ -38,14 +38,14 @@ from llmgw.agent.trainer import (
 from llmgw.core.training import JobState, QaPair, TrainParams, TrainSpec
 from llmgw.wire.messages import Gpu, JobPiece, JobStatus
 from llmgw.wire.pieces import UploadInterrupted
-from tests.helpers import DEADLINE, PROJECT_ROOT, wait_for
+from tests.helpers import DEADLINE, PROJECT_ROOT, TESTS, wait_for
 
 pytestmark = pytest.mark.slow
 
 # The engine user cannot run the virtualenv's interpreter (it lives under /root); the fake child
 # needs only the standard library.
 CHILD_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
-FAKE_CHILD = Path(__file__).with_name("fake_train_child.py")
+FAKE_CHILD = TESTS / "fake_train_child.py"
 PAIRS = tuple(QaPair(question=f"q{i}?", answer=f"a{i}.") for i in range(8))
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -17,9 +17,10 @@ from llmgw.core import flags
 from llmgw.core.engines import build_plan
 from llmgw.ctl import engine_check
 from llmgw.ctl.commands import add_ctl_parser
+from tests.helpers import TESTS
 from tests.real_parts import require_llama_server, require_smollm2, smollm2_gguf
 
-HELP = Path(__file__).parent / "fixtures" / "engine-help"
+HELP = TESTS / "fixtures" / "engine-help"
 VLLM_HELP = HELP / "vllm-0.33.0-serve-help.txt"
 VLLM_PLAIN_HELP = HELP / "vllm-0.33.0-serve-help-plain.txt"
 SGLANG_HELP = HELP / "sglang-0.5.23-launch_server-help.txt"

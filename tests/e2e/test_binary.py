@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import __version__
+from tests.helpers import PROJECT_ROOT
 from tests.procs import Proc, kill_recorded_shards, read_endpoints, wait_until, write_yaml
 from tests.real_parts import (
     llama_server,
@@ -32,7 +33,7 @@ from tests.tiny_llama import QA_PAIRS, tiny_llama_dir
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = PROJECT_ROOT
 BINARY = ROOT / "dist" / "llmgw"
 MISSING = "dist/llmgw missing: run scripts/build-binary.sh"
 

@@ -19,8 +19,8 @@ from llmgw.gateway.h11_stream import H11Stream
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server.scrape import EngineSample, EngineScraper, parse_engine_metrics
 from tests import fake_engine
+from tests.gateway.test_gateway_relay import ENGINE_KEY, FakeEngine, Gateway, chat
 from tests.helpers import wait_for
-from tests.test_gateway_relay import ENGINE_KEY, FakeEngine, Gateway, chat
 
 # vLLM 0.33 with two data-parallel engines: values of one name add up, the KV fill is the highest.
 VLLM_TEXT = """\

@@ -21,8 +21,8 @@ from llmgw.core import jobs as core_jobs
 from llmgw.core.training import FileDigest, JobState, TrainSpec
 from llmgw.server.jobs import Adapter, _adapter_row, _job_row
 from llmgw.server.store import Store
+from tests.e2e.test_replicas_processes import fake_llama_server
 from tests.procs import Server, kill_recorded_shards, start_agent, wait_until, write_yaml
-from tests.test_replicas_processes import fake_llama_server
 
 pytestmark = pytest.mark.slow
 

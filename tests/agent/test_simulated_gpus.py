@@ -23,9 +23,10 @@ from llmgw.config import ConfigError, load_simulated_node, parse_simulated_node
 from llmgw.ctl.inventory import render_inventory
 from llmgw.wire.codec import converter, decode, encode
 from llmgw.wire.messages import Heartbeat, Inventory
-from tests.test_discovery import fake_nvml, write_proc
+from tests.agent.test_discovery import fake_nvml, write_proc
+from tests.helpers import TESTS
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = TESTS / "fixtures"
 SIMULATED = FIXTURES / "simulated"
 SYSFS = FIXTURES / "sysfs"
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559, "compute_capability": "9.0"}

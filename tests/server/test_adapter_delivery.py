@@ -36,9 +36,9 @@ from llmgw.server.adapters import AdapterDelivery, DeliveryFailed
 from llmgw.server.replicas import ReplicaManager
 from llmgw.wire.messages import AdapterPiece
 from llmgw.wire.pieces import PIECE_BYTES
-from tests import test_supervisor
+from tests.agent import test_supervisor
+from tests.agent.test_supervisor import FAILED, READY, Lab, free_port, start_agent
 from tests.helpers import fake_inventory, start_link_server, wait_for
-from tests.test_supervisor import FAILED, READY, Lab, free_port, start_agent
 
 lab = test_supervisor.lab  # the supervisor tests' fixture: a work dir and fake engine binaries
 

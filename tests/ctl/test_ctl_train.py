@@ -17,7 +17,7 @@ from llmgw.ctl.client import AdminClient
 from llmgw.ctl.commands import EXIT_USAGE, add_ctl_parser
 from llmgw.wire.messages import CancelJob, JobStatus, StartJob
 from tests.helpers import wait_for
-from tests.test_jobs_server import ADAPTER_FILES, ADMIN_TOKEN, PAIRS, FakeAgent, Server, start_server
+from tests.server.test_jobs_server import ADAPTER_FILES, ADMIN_TOKEN, PAIRS, FakeAgent, Server, start_server
 
 
 def run_ctl(argv: list[str]) -> int:

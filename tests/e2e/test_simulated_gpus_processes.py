@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_replicas_processes import fake_llama_server, replicas
+from tests.helpers import TESTS
 from tests.procs import (
     DEADLINE,
     Proc,
@@ -20,11 +22,10 @@ from tests.procs import (
     llmgw_command,
     wait_until,
 )
-from tests.test_replicas_processes import fake_llama_server, replicas
 
 pytestmark = pytest.mark.slow
 
-SIMULATED = Path(__file__).resolve().parent / "fixtures" / "simulated"
+SIMULATED = TESTS / "fixtures" / "simulated"
 L40S_MIB = 46068
 
 

@@ -20,7 +20,7 @@ import trio.testing
 from llmgw.gateway.engine_http import EngineConnection
 from llmgw.gateway.pump import ClientGone, EngineBroke, PumpedStream, StreamPump
 from llmgw.gateway.usage_scan import StreamUsage
-from tests.test_gateway_relay import (
+from tests.gateway.test_gateway_relay import (
     USAGE_CHUNK,
     Client,
     FakeEngine,

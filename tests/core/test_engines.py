@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, validate
 from llmgw.core.flags import ENGINE_ARGV_PREFIX, argv_flags, help_flags
 from llmgw.core.shard import Adapter, Fabric, GpuRef, LaunchPlan, ShardSpec
+from tests.helpers import TESTS
 
-TESTS = Path(__file__).parent
 GOLDEN = TESTS / "golden" / "engines"
 HELP = TESTS / "fixtures" / "engine-help"
 HELP_FILES = {

@@ -23,8 +23,8 @@ from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.shard import GpuRef, ShardSpec
 from llmgw.http_probe import ProbeFailed, http_get
 from llmgw.wire.messages import Compute, GpuUse
+from tests.agent.test_discovery import FakeNvml
 from tests.helpers import wait_for
-from tests.test_discovery import FakeNvml
 
 # --- /proc ---------------------------------------------------------------------------------------
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TESTS
 from tests.procs import Proc, wait_until
 
 pytestmark = pytest.mark.slow
 
-FAKE = Path(__file__).resolve().parent / "fake_multirank_engine.py"
+FAKE = TESTS / "fake_multirank_engine.py"
 GOOD_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "NCCL_SOCKET_IFNAME": "=lo",

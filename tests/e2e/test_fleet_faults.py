@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet import Fleet, process_alive, public_engines, require_netns
-from tests.procs import wait_until
-from tests.test_fleet_multinode import (
+from tests.e2e.test_fleet_multinode import (
     FABRIC_KNOBS,
     H100_ROCE,
     MODEL,
@@ -24,6 +22,8 @@ from tests.test_fleet_multinode import (
     replica_pids,
     shards_by_rank,
 )
+from tests.fleet import Fleet, process_alive, public_engines, require_netns
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.slow
 

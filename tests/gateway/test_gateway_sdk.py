@@ -15,7 +15,7 @@ from llmgw.core.quota import Limits
 from llmgw.gateway import StaticRouter, serve_gateway
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.routing import FixedRoutes
-from tests.test_gateway_relay import ANSWER, FakeEngine, silent_reply, streaming_reply
+from tests.gateway.test_gateway_relay import ANSWER, FakeEngine, silent_reply, streaming_reply
 
 
 @attrs.frozen
