@@ -1,8 +1,7 @@
 """The data plane: an OpenAI-compatible HTTP/1.1 listener that relays requests to engines.
 
-trio + h11 on both sides rather than quart/hypercorn and httpx: measured on this machine, quart-trio
-tops out near 1k req/s per process and httpx near 300 proxied req/s, while a bare trio+h11 relay
-does ~4k req/s on one core.
+trio + h11 on both sides rather than quart/hypercorn and httpx: a bare trio+h11 relay carries
+several times the requests per core of either (DESIGN.md §3 has the comparison).
 """
 
 from llmgw.gateway.contract import Gate, RequestRecord, Router, StaticRouter, Upstream

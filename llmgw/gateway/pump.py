@@ -36,10 +36,9 @@ MAX_EVENTS = 256
 # When a look finds several sockets ready, chunks are coming faster than the pump wakes for them:
 # the next wake waits this long before it looks, so that what comes meanwhile leaves together, a
 # read and a write for several chunks of a stream. It stops as soon as a look finds a single socket
-# ready, so sparse streams rarely pay for it; it delays a token by at most this. Measured with
-# scripts/bench_relay.py in one quiet hour, CPU µs per chunk without and with it: an engine
-# sending back to back, 23-30 -> 7.5-10; one that is not the bottleneck, 8-10 -> 6-7; a decode
-# step at a time, 28-31 -> 23-27; tokens 2 ms apart, 37-52 -> 45-53 (no clear change, so noisy).
+# ready, so sparse streams rarely pay for it; it delays a token by at most this. It pays most
+# when an engine sends back to back, and was not seen to cost when tokens arrive apart
+# (scripts/bench_relay.py measures both paces).
 LINGER = 0.0002
 
 

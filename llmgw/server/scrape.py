@@ -35,9 +35,9 @@ SCRAPE_INTERVAL = 5.0
 # One engine's answer: an engine busy generating still answers /metrics in milliseconds; one that
 # takes longer than this is as good as unreachable for load purposes.
 SCRAPE_TIMEOUT = 2.0
-# The parser is pure Python (~0.25 ms per KiB here). vLLM's text with many adapters runs to a few
-# hundred KiB, which would block the gateway's event loop for tens of ms: past this size the
-# parse runs in a worker thread.
+# The parser is pure Python, so its time grows with the text: vLLM's with many adapters runs to a
+# few hundred KiB, which would hold the gateway's event loop for too long. Past this size the parse
+# runs in a worker thread.
 PARSE_INLINE_BYTES = 64 * 1024
 
 
