@@ -121,6 +121,17 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ) STRICT;
         """,
     ),
+    (
+        5,
+        """
+        -- How far each gateway worker's usage journal file has been shipped into usage: the
+        -- records and this offset are written in one transaction, so each is shipped once.
+        CREATE TABLE journal_offsets (
+            file TEXT PRIMARY KEY,  -- the journal file's name, unique per worker and segment
+            offset INTEGER NOT NULL  -- bytes of whole records already in usage
+        ) STRICT;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -447,6 +458,27 @@ class Store:
                 f"INSERT INTO usage ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [attrs.astuple(record) for record in records],
             )
+
+    def ship_journal(self, file: str, records: Sequence[UsageRecord], offset: int) -> None:
+        """Appends a journal's records and how far that journal has now been shipped, at once."""
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT INTO usage ({_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [attrs.astuple(record) for record in records],
+            )
+            self._conn.execute(
+                "INSERT INTO journal_offsets (file, offset) VALUES (?, ?)"
+                " ON CONFLICT (file) DO UPDATE SET offset = excluded.offset",
+                (file, offset),
+            )
+
+    def journal_offsets(self) -> dict[str, int]:
+        return dict(self._conn.execute("SELECT file, offset FROM journal_offsets"))
+
+    def forget_journal(self, file: str) -> None:
+        """A journal file shipped whole and removed: its offset is no longer needed."""
+        with self._conn:
+            self._conn.execute("DELETE FROM journal_offsets WHERE file = ?", (file,))
 
     def summarise_usage(
         self, group_by: Sequence[str], since: float | None, until: float | None

@@ -3,6 +3,7 @@ import stat
 from pathlib import Path
 
 import apsw
+import attrs
 import pytest
 import trio
 
@@ -368,3 +369,16 @@ def test_jobs_are_saved_and_a_finished_job_registers_its_adapter_in_one_transact
         )
     assert store.list_jobs()[0].state == "Pending"
     assert store.list_adapters() == [adapter]
+
+
+def test_a_journal_is_shipped_with_its_offset_in_one_transaction(store: Store):
+    records = [UsageRecord(float(i), "acme", "k-00000001", "m", "r", 1, 2, 3.0, 200) for i in range(3)]
+    store.ship_journal("worker-0.000001.journal", records[:2], 200)
+    store.ship_journal("worker-0.000001.journal", records[2:], 300)
+    assert store.journal_offsets() == {"worker-0.000001.journal": 300}
+    assert [row["requests"] for row in store.summarise_usage([], None, None)] == [3]
+    with pytest.raises(apsw.ConstraintError):  # a failed insert leaves the offset where it was
+        store.ship_journal("worker-0.000001.journal", [attrs.evolve(records[0], tenant=None)], 400)
+    assert store.journal_offsets() == {"worker-0.000001.journal": 300}
+    store.forget_journal("worker-0.000001.journal")
+    assert store.journal_offsets() == {}
