@@ -3,12 +3,22 @@
 Each connection reads a request (its body whole, up to a limit), answers it, and goes on to the next
 on the same connection while both sides keep it open. A connection's failure ends that connection
 only: everything it raises is caught and logged here, never passed to the listener's nursery.
+
+A request refused before its body was read (too large, unknown path, bad HTTP) is answered and its
+connection closed with a lingering close, as nginx does: our side is shut for writing and what the
+client still sends is read and dropped for a bounded time. Closing a socket with unread bytes makes
+the kernel answer with a reset, which can reach a client that writes its whole body before reading
+(Python's urllib) ahead of the answer it never got to read.
+
+``GET /health`` answers 200 while ``fresh()`` says this process can serve, 503 otherwise: no key,
+and nothing in the body a stranger could learn from.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -32,6 +42,18 @@ MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddi
 MODELS_PATH = "/v1/models"
 # Prometheus text of the gateway, without a key (see gateway.metrics); 404 unless metrics are given.
 METRICS_PATH = "/metrics"
+# For load balancers and probes: no key, nothing revealed.
+HEALTH_PATH = "/health"
+_HEALTH_BODIES = {200: b'{"status":"ok"}', 503: b'{"status":"unavailable"}'}
+
+# The lingering close's bounds: in all, and of silence from the client. A client writing a body to
+# a refused request at loopback or LAN speed finishes well within them; one that keeps the
+# connection open without sending is not worth waiting for. Every refused connection costs a task
+# for no longer than LINGER_SECONDS.
+LINGER_SECONDS = 5.0
+LINGER_IDLE_SECONDS = 2.0
+# What one read of the lingering close takes from the socket, into a buffer that is then dropped.
+LINGER_READ_SIZE = 256 * 1024
 
 _CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -47,14 +69,20 @@ async def serve_gateway(
     max_body_bytes: int = MAX_BODY_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     use_pump: bool = True,
+    fresh: Callable[[], bool] | None = None,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the OpenAI API on host:port (0: any free port) until cancelled; reports the bound port.
 
-    `use_pump=False` relays streams with a task each, as where epoll is missing (for comparison)."""
+    `fresh()` says whether this process's state is fresh enough to serve, for GET /health (None:
+    always). `use_pump=False` relays streams with a task each, as where epoll is missing (for
+    comparison). `listeners`: sockets already listening (a gateway worker's, bound with
+    SO_REUSEPORT beside its siblings'); host and port are then not used."""
     if metrics is not None:
         on_done = _both(metrics.on_done, on_done)
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         pump = None
         if use_pump and StreamPump.available():
@@ -63,18 +91,36 @@ async def serve_gateway(
         relay = Relay(router, gate=gate, on_done=on_done, upstream_timeout=upstream_timeout, pump=pump)
         try:
             task_status.started(listeners[0].socket.getsockname()[1])
-            await trio.serve_listeners(partial(_serve_connection, relay, metrics, max_body_bytes), listeners)
+            await trio.serve_listeners(
+                partial(_serve_connection, _Site(relay, metrics, max_body_bytes, fresh or _always)), listeners
+            )
         finally:
             with trio.CancelScope(shield=True):
                 await relay.aclose()
 
 
-async def _serve_connection(
-    relay: Relay, metrics: GatewayMetrics | None, max_body_bytes: int, stream: trio.SocketStream
-) -> None:
+class _Site:
+    """What every connection of one listener shares."""
+
+    __slots__ = ("relay", "metrics", "max_body_bytes", "fresh")
+
+    def __init__(
+        self, relay: Relay, metrics: GatewayMetrics | None, max_body_bytes: int, fresh: Callable[[], bool]
+    ) -> None:
+        self.relay = relay
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.fresh = fresh
+
+
+def _always() -> bool:
+    return True
+
+
+async def _serve_connection(site: _Site, stream: trio.SocketStream) -> None:
     client = H11Stream(stream, h11.SERVER)
     try:
-        while await _serve_request(relay, metrics, max_body_bytes, client):
+        while await _serve_request(site, client):
             client.conn.start_next_cycle()
     except _CLIENT_GONE:
         pass  # the client went away: nothing to tell anyone
@@ -86,10 +132,9 @@ async def _serve_connection(
         await client.aclose()
 
 
-async def _serve_request(
-    relay: Relay, metrics: GatewayMetrics | None, max_body_bytes: int, client: H11Stream
-) -> bool:
+async def _serve_request(site: _Site, client: H11Stream) -> bool:
     """Answer one request; whether the connection can carry another."""
+    relay, metrics, max_body_bytes = site.relay, site.metrics, site.max_body_bytes
     responder = Responder(client)
     try:
         request = await client.next_event()
@@ -105,6 +150,14 @@ async def _serve_request(
             await responder.send(text)
             await responder.end()
             return client.reusable()
+        if path == HEALTH_PATH:
+            if method != b"GET" and method != b"HEAD":
+                raise GatewayError(
+                    405, f"{method.decode()} is not allowed on {path}", code="method_not_allowed"
+                )
+            await _read_body(client, request, max_body_bytes)
+            await _answer_health(responder, site.fresh, head_only=method == b"HEAD")
+            return client.reusable()
         if path in MODEL_PATHS and method != b"POST" or path == MODELS_PATH and method != b"GET":
             raise GatewayError(405, f"{method.decode()} is not allowed on {path}", code="method_not_allowed")
         if path not in MODEL_PATHS and path != MODELS_PATH:
@@ -113,12 +166,14 @@ async def _serve_request(
     except GatewayError as error:
         # The rest of the request was not read, so the connection cannot carry another.
         await responder.error(error, close=True)
+        await _linger(client.stream)
         return False
     except h11.RemoteProtocolError as error:
         if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             message = f"Malformed HTTP request: {error}"
             bad = GatewayError(error.error_status_hint, message, code="bad_http")
             await responder.error(bad, close=True)
+            await _linger(client.stream)
         return False
     authorization = _header(request, b"authorization")
     if path == MODELS_PATH:
@@ -131,6 +186,44 @@ async def _serve_request(
     else:
         await relay.forward(responder, path, body, authorization)
     return client.reusable()
+
+
+async def _answer_health(responder: Responder, fresh: Callable[[], bool], *, head_only: bool) -> None:
+    try:
+        status = 200 if fresh() else 503
+    except Exception:
+        log.exception("the gateway's freshness check failed")
+        status = 503
+    body = _HEALTH_BODIES[status]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"cache-control", b"no-store"),
+    ]
+    responder.start(status, headers)
+    if not head_only:  # h11 frames a HEAD's answer with no body, whatever its content-length says
+        await responder.send(body)
+    await responder.end()
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Half-closes `stream` and drops what the client still sends, until it closes its side or a
+    bound passes (see LINGER_SECONDS); the caller then closes the socket."""
+    sock = stream.socket
+    try:
+        sock.shutdown(socket.SHUT_WR)  # the client reads our answer, then the end of it
+    except OSError:
+        return  # already gone
+    drop = bytearray(LINGER_READ_SIZE)
+    with trio.move_on_after(LINGER_SECONDS):
+        while True:
+            with trio.move_on_after(LINGER_IDLE_SECONDS) as idle:
+                try:
+                    received = await sock.recv_into(drop)
+                except OSError:
+                    return
+            if idle.cancelled_caught or not received:
+                return
 
 
 async def _read_body(client: H11Stream, request: h11.Request, limit: int) -> bytes:
