@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 import attrs
@@ -49,6 +49,7 @@ from llmgw.server.tenants import (
 )
 from llmgw.server.tenants import Invalid as TenantInvalid
 from llmgw.server.tenants import NotFound as TenantNotFound
+from llmgw.server.ui import StatusPages, TrafficTotals
 from llmgw.server.usage_book import UsageRecorder, parse_group_by, parse_time
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
@@ -92,6 +93,8 @@ async def serve_admin(
     usage: UsageRecorder | None = None,
     jobs: JobManager | None = None,
     queued: Callable[[str], int] | None = None,
+    queue_depths: Callable[[], Mapping[str, Mapping[int, int]]] | None = None,
+    traffic: TrafficTotals | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -115,7 +118,10 @@ async def serve_admin(
             usage=usage,
             jobs=jobs,
             queued=queued,
+            queue_depths=queue_depths,
+            traffic=traffic,
         )
+        nursery.start_soon(app.status_pages.sample_forever)
         binds = await nursery.start(serve, app, config)
         task_status.started(urlsplit(binds[0]).port)
 
@@ -131,8 +137,22 @@ def make_app(
     usage: UsageRecorder | None = None,
     jobs: JobManager | None = None,
     queued: Callable[[str], int] | None = None,  # requests waiting at the gateway, per model
+    queue_depths: Callable[[], Mapping[str, Mapping[int, int]]] | None = None,  # per model, band
+    traffic: TrafficTotals | None = None,  # the gateway's requests, errors, SLO violations
 ) -> QuartTrio:
     app = QuartTrio(__name__)
+    # The status pages read this API's own JSON: the same functions make their data.
+    app.status_pages = StatusPages(
+        admin_digest,
+        nodes=lambda: [node_json(node) for node in registry.list()],
+        replicas=lambda: (
+            [replica_json(record, registry, replicas) for record in replicas.list()] if replicas else []
+        ),
+        queue_depths=queue_depths,
+        traffic=traffic,
+        events=replicas.events if replicas is not None else None,
+    )
+    app.status_pages.install(app)
     if tenants is not None:
         _add_tenant_routes(app, tenants)
     if jobs is not None:
@@ -144,6 +164,8 @@ def make_app(
     async def require_admin_token() -> Response | None:
         if not request.path.startswith(ADMIN_PREFIX):
             return None
+        if app.status_pages.session_reads():
+            return None  # a status page's read, with its session cookie
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer" and token and tokens.matches(token, admin_digest):

@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from llmgw.core.catalog import AdapterUnavailable, Profile, StoredAdapter, with_stored_files
+from llmgw.core.events import EventLog
 from llmgw.core.keys import engine_key
 from llmgw.core.liveness import NodeState
 from llmgw.core.placement import ClusterView, GpuView, NodeView
@@ -106,6 +107,7 @@ class ReplicaManager:
         self._kick = trio.Event()
         self._due: set[float] = set()  # wall-clock times a restart comes due (MarkFailed)
         self._nursery: trio.Nursery | None = None
+        self.events = EventLog()  # the actions carried out, for the status page's events
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -263,6 +265,7 @@ class ReplicaManager:
 
     def _carry_out(self, action: Action, now: float) -> None:
         log.info("%s: %s", _describe(action), action.reason)
+        self.events.record(now, type(action).__name__, _describe(action).partition(" ")[2], action.reason)
         assert self._nursery is not None
         match action:
             case StartReplica() | RestartReplica():

@@ -41,6 +41,7 @@ from llmgw.server.routing import ReplicaRouter
 from llmgw.server.scrape import EngineScraper
 from llmgw.server.store import AsyncStore, Store
 from llmgw.server.tenants import Tenants
+from llmgw.server.ui import traffic_totals
 from llmgw.server.usage_book import UsageRecorder
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     usage=usage,
                     jobs=jobs,
                     queued=lambda model: sum(gate.queue_depths().get(model, {}).values()),
+                    queue_depths=gate.queue_depths,
+                    traffic=lambda: traffic_totals(metrics.registry),
                 ),
                 registry,
                 catalog,
