@@ -390,6 +390,31 @@ class DiscoveryConfig:
     simulate: Path | None = None
 
 
+def _url_problem(value: str | None) -> str | None:
+    if value is None or re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        return None
+    return f"expected an http:// or https:// URL without a query, got {_show(value)}"
+
+
+def _http_url(_instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if problem := _url_problem(value):
+        raise _BadValue(problem, key=attribute.name)
+
+
+@attrs.frozen(kw_only=True)
+class WeightsConfig:
+    """Weights the node fetches itself (a model whose path is a URL or a hub reference)."""
+
+    # The node's copies, one per checksum, shared by every replica. None: <work_dir>/weights.
+    cache_dir: Path | None = None
+    # A copy no shard on this node has used for this long is removed (a week: a profile scaled to
+    # zero over a weekend should not download its weights again on Monday).
+    max_idle: Duration = 7 * 24 * 3600.0
+    # Where hub references (hf://org/repo/file.gguf) are fetched from: a hub or a mirror of it
+    # (<mirror>/<org>/<repo>/resolve/<revision>/<file>). None: such models fail, saying so.
+    mirror: str | None = attrs.field(default=None, validator=_http_url)
+
+
 @attrs.frozen(kw_only=True)
 class AgentConfig:
     # None: the caller uses the host name, lowercased.
@@ -402,6 +427,11 @@ class AgentConfig:
     reconnect: ReconnectConfig = attrs.field(factory=ReconnectConfig)
     engines: EnginesConfig = attrs.field(factory=EnginesConfig)
     discovery: DiscoveryConfig = attrs.field(factory=DiscoveryConfig)
+    weights: WeightsConfig = attrs.field(factory=WeightsConfig)
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.weights.cache_dir or self.work_dir / "weights"
 
 
 # --- a simulated node (the file agent.yaml's discovery.simulate names) --------------------------
@@ -888,6 +918,7 @@ __all__ = [
     "ServerTls",
     "SimulatedGpu",
     "SimulatedNode",
+    "WeightsConfig",
     "converter",
     "default_home",
     "load_agent_config",

@@ -601,7 +601,7 @@ def test_server_unknown_key(text: str, message: str) -> None:
     [
         (
             "name: gpu1\n",
-            "agent.yaml: name: unknown key (expected one of: node_name, work_dir, log_level, fabric, server, reconnect, engines, discovery)",
+            "agent.yaml: name: unknown key (expected one of: node_name, work_dir, log_level, fabric, server, reconnect, engines, discovery, weights)",
         ),
         (
             "server:\n  adress: h:1\n",
@@ -832,7 +832,7 @@ MODEL = "models:\n  m: {path: org/m, format: safetensors}\n"
         # Unknown and missing keys.
         (
             "models:\n  m: {path: a.gguf, fmt: gguf}\n",
-            "server.yaml: models.m.fmt: unknown key (expected one of: path, format)",
+            "server.yaml: models.m.fmt: unknown key (expected one of: path, format, sha256)",
         ),
         ("models:\n  m: {path: a.gguf}\n", "server.yaml: models.m.format: required option is missing"),
         (MODEL + PROFILE + "    gpus: 2\n", "server.yaml: profiles.chat.gpus: unknown key (expected one of: model, "

@@ -24,6 +24,7 @@ from llmgw.agent.discovery.simulated import NvmlOff, read_simulated
 from llmgw.agent.link import AgentLink
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.trainer import Trainer
+from llmgw.agent.weights import WeightsCache
 from llmgw.config import AgentConfig, ConfigError, default_home, load_simulated_node
 from llmgw.core.engines import EngineBinaries
 
@@ -212,6 +213,13 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
         # An adopted training child holds GPU memory that no shard describes: not foreign.
         also_ours=lambda: trainer.own_pids() if trainer is not None else frozenset(),
         adapters=adapters,
+        weights=WeightsCache(
+            config.weights_dir,
+            work_dir=config.work_dir,
+            mirror=config.weights.mirror,
+            max_idle=config.weights.max_idle,
+            run_as=config.engines.run_as,
+        ),
     )
     trainer = make_trainer(config, supervisor, lambda: link)
     link = make_link(config, supervisor, trainer, adapters)

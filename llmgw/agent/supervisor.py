@@ -49,10 +49,12 @@ from llmgw.agent.processes import (
     wait_for_exit,
 )
 from llmgw.agent.shard_state import ShardRecord
+from llmgw.agent.weights import FetchFailed, WeightsCache
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan
 from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.reports import SHARD_LIFECYCLE
 from llmgw.core.shard import LaunchPlan, ShardSpec
+from llmgw.core.weights import WeightsError
 from llmgw.http_probe import ProbeFailed, http_get
 from llmgw.wire.messages import Compute, GpuUse, RunningShard, ShardState, ShardStatus
 
@@ -73,6 +75,9 @@ LEADER_CONNECT_TIMEOUT = 5.0
 COMPUTE_WAIT = 30.0
 # Grace for what is left of a shard whose engine or sidecar failed (a Ray head, forked workers).
 FAILED_GRACE = 10.0
+# How often fetched weights are checked for removal: often enough that max_idle is kept to within
+# this, rarely enough that listing the cache costs nothing.
+WEIGHTS_SWEEP_INTERVAL = 600.0
 
 
 @attrs.define(eq=False)
@@ -135,8 +140,11 @@ class Supervisor:
         health_interval: float = 1.0,
         also_ours: Callable[[], frozenset[int]] | None = None,
         adapters: AdapterCache | None = None,
+        weights: WeightsCache | None = None,
     ) -> None:
         self._work_dir = work_dir
+        # Weights the shards' models name by URL or hub reference, fetched before the engine starts.
+        self.weights = weights or WeightsCache(work_dir / "weights", work_dir=work_dir, run_as=run_as)
         # Where the stored adapters a shard names were delivered (by the link).
         self._adapters = adapters or AdapterCache(work_dir, run_as)
         # Pids that are ours though no shard describes them (training children); blocking.
@@ -170,7 +178,7 @@ class Supervisor:
                 await self._recover()
                 self._recovered.set()
                 task_status.started()
-                await trio.sleep_forever()
+                await self._sweep_weights()
         finally:
             self._running = False
 
@@ -190,7 +198,13 @@ class Supervisor:
             launched = spec
             if any(adapter.source for adapter in spec.adapters):
                 launched = await trio.to_thread.run_sync(self._adapters.resolve, spec)
+            # Fetched weights: the engine is given the cache's copy, which _launch fetches first.
+            if self.weights.key(spec) is not None:
+                launched = attrs.evolve(launched, model_path=str(self.weights.local_path(spec)))
             plan = build_plan(launched, engine_key=engine_key, binaries=self._binaries)
+        except WeightsError as exc:
+            self._emit(spec, ShardState.FAILED, reason=f"weights: {exc}")
+            return False, f"weights: {exc}"
         except NotDelivered as exc:
             self._emit(spec, ShardState.FAILED, reason=str(exc))
             return False, str(exc)
@@ -392,6 +406,15 @@ class Supervisor:
         await self._teardown(shard)
 
     async def _launch(self, shard: _Shard, plan: LaunchPlan, nursery: trio.Nursery) -> None:
+        # Before the state file: an agent that dies while fetching leaves no shard to adopt, only
+        # a partial download, which the shard's next start resumes.
+        if self.weights.key(shard.spec) is not None:
+            try:
+                await self.weights.fetch(shard.spec, lambda text: self._report(shard, reason=text))
+            except FetchFailed as exc:
+                self._end(shard, ShardState.FAILED, str(exc))
+                return
+            self._report(shard)  # the progress shown so far is over
         try:
             user = await trio.to_thread.run_sync(self._engine_user)
             await trio.to_thread.run_sync(shard_state.make_dirs, self._shards_dir, shard.spec.shard_id)
@@ -593,6 +616,16 @@ class Supervisor:
             log.error(
                 "shard %s: processes %s outlived SIGKILL by %gs", shard.spec.shard_id, sorted(left), KILL_WAIT
             )
+
+    async def _sweep_weights(self) -> None:
+        """Removes fetched weights no shard has used for the cache's max_idle, now and then."""
+        while True:
+            in_use = {key for shard in self._shards.values() if (key := self.weights.key(shard.spec))}
+            try:
+                await self.weights.sweep(in_use)
+            except OSError as exc:
+                log.warning("cannot sweep the weights cache %s: %s", self.weights.cache_dir, exc)
+            await trio.sleep(min(WEIGHTS_SWEEP_INTERVAL, self.weights.max_idle / 2))
 
     # --- bookkeeping -------------------------------------------------------------------------------
 

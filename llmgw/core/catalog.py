@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from llmgw.core import weights
 from llmgw.core.engines import registry
 from llmgw.core.engines.descriptor import Engine
 from llmgw.core.engines.registry import LAUNCHERS
@@ -37,8 +38,11 @@ NAME_RULE = "letters, digits and . _ : @ + / -, starting with a letter or digit,
 @frozen
 class Model:
     name: str  # what clients ask for
-    path: str  # weights location on the nodes: a .gguf file, a directory or a hub id
+    path: str  # weights on the nodes (a .gguf file, a directory, a hub id) or a URL they fetch
     format: str  # one of MODEL_FORMATS
+    # The weights' sha256 (64 hex digits): a node fetching them from a URL checks it (required
+    # then), and one copy serves every profile naming the same checksum (llmgw.core.weights).
+    sha256: str | None = None
 
 
 @frozen
@@ -110,10 +114,23 @@ def validate_model(model: Model) -> list[str]:
         reasons.append(f"{where}.path: empty")
     if model.format not in MODEL_FORMATS:
         reasons.append(f"{where}.format: {model.format!r} is not one of {', '.join(MODEL_FORMATS)}")
-    elif model.format == "gguf" and not model.path.endswith(".gguf"):
+    elif model.format == "gguf" and not _file_part(model.path).endswith(".gguf"):
         # llama.cpp loads one file; a directory of shards has to be merged first.
         reasons.append(f"{where}.path: a gguf model is one .gguf file, and {model.path!r} is not one")
+    if problem := weights.sha256_problem(model.sha256):
+        reasons.append(f"{where}.sha256: {problem}")
+    elif problem := weights.path_problem(model.path, model.sha256):
+        reasons.append(f"{where}.path: {problem}")
+    elif weights.is_remote(model.path) and model.format != "gguf":
+        reasons.append(
+            f"{where}.path: a node fetches one file, a gguf model; a {model.format} model is a directory"
+        )
     return reasons
+
+
+def _file_part(path: str) -> str:
+    # A URL's query (a signed download link) is not part of the file's name.
+    return path.split("?", 1)[0] if weights.is_remote(path) else path
 
 
 def validate_profile(profile: Profile, models: Mapping[str, Model]) -> list[str]:

@@ -356,6 +356,7 @@ def to_shard_specs(
                 profile=profile.name,
                 model=model.name,
                 model_path=model.path,
+                model_sha256=model.sha256,
                 engine=profile.engine,
                 launcher=profile.launcher,
                 gpus=tuple(

@@ -69,6 +69,9 @@ class ShardSpec:
     profile: str = ""
     model: str  # the name clients use
     model_path: str  # weights on the node: a directory, a .gguf file, or a hub id
+    # The catalog's checksum of the weights; with a URL or hub reference in model_path, the node
+    # fetches them into its cache and checks them against it (llmgw.core.weights).
+    model_sha256: str | None = None
     engine: str  # a name in llmgw.core.engines.ENGINES
     launcher: str = "mp"  # one of the engine's launchers (llmgw.core.engines)
     gpus: tuple[GpuRef, ...] = ()  # this node's GPUs for the shard; empty = CPU

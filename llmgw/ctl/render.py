@@ -267,7 +267,10 @@ def replicas_table(replicas: list[dict], now: float) -> Table:
     for column in ("ID", "PROFILE", "MODEL", "STATE", "ON", "ENDPOINT", "AGE", "REASON"):
         table.add_column(column, no_wrap=column != "REASON", overflow="fold")
     for replica in replicas:
-        reason = replica["reason"]
+        # A replica on its way says nothing itself; its shards may (weights being fetched).
+        reason = replica["reason"] or "; ".join(
+            f"{shard['node']}: {shard['reason']}" for shard in replica["shards"] if shard.get("reason")
+        )
         table.add_row(
             replica["id"],
             replica["profile"],

@@ -528,7 +528,7 @@ def test_apply_sends_the_file_as_named_entries_and_prints_what_changed(catalog_c
     [(method, url, body)] = catalog_client.sent
     assert (method, url) == ("POST", "/admin/v1/catalog")
     assert body["models"] == [
-        {"name": "org/qwen", "path": "Qwen/Qwen2.5-72B-Instruct", "format": "safetensors"}
+        {"name": "org/qwen", "path": "Qwen/Qwen2.5-72B-Instruct", "format": "safetensors", "sha256": None}
     ]
     [sent] = body["profiles"]
     assert (sent["name"], sent["tensor_parallel"], sent["startup_timeout"], sent["flags"]) == (
