@@ -51,6 +51,7 @@ the token file of a server on this machine using the default data directory.
 
 def build_parser() -> argparse.ArgumentParser:
     from llmgw.ctl.commands import add_ctl_parser
+    from llmgw.server.store.command import add_store_parser
 
     parser = argparse.ArgumentParser(
         prog="llmgw", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", type=Path, metavar="FILE", help="server.yaml (default: built-in defaults)"
     )
     server.set_defaults(func=_cmd_server)
+    server_actions = server.add_subparsers(dest="server_action", metavar="{store}")
+    add_store_parser(server_actions)
 
     agent = roles.add_parser(
         "agent",

@@ -290,10 +290,25 @@ class ReconcileSection:
             )
 
 
+def _store_url(_instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    # The value is never echoed: a URL may carry a password.
+    if value is not None and not value.startswith(("postgresql://", "postgres://")):
+        scheme = value.split("://", 1)[0] if "://" in value else "none"
+        raise _BadValue(
+            f"expected null (SQLite in data_dir) or a postgresql:// URL, got a URL of scheme {scheme!r}",
+            key=attribute.name,
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     data_dir: Path = attrs.field(factory=lambda: default_home() / "server")
     log_level: LogLevel = "info"
+    # None: SQLite in data_dir. A postgresql:// URL: that database, which several servers may
+    # share. Its password comes from store_password_file, else $LLMGW_STORE_PASSWORD (else
+    # libpq's own ~/.pgpass); never put it in the URL of a file others may read.
+    store: str | None = attrs.field(default=None, validator=_store_url)
+    store_password_file: Path | None = None
     link: LinkConfig = attrs.field(factory=LinkConfig)
     admin: AdminConfig = attrs.field(factory=AdminConfig)
     gateway: GatewayConfig = attrs.field(factory=GatewayConfig)

@@ -257,12 +257,12 @@ async def serve_full_gateway(engine_port: int, use_pump: bool) -> None:
     from llmgw.core.quota import Limits
     from llmgw.server.gate import ControlPlaneGate
     from llmgw.server.routing import FixedRoutes
-    from llmgw.server.store import AsyncStore
+    from llmgw.server.store import open_store
     from llmgw.server.tenants import Tenants
     from llmgw.server.usage_book import UsageRecorder
 
     with tempfile.TemporaryDirectory() as data_dir:
-        store = await AsyncStore.open(Path(data_dir))
+        store = await open_store(Path(data_dir))
         try:
             tenants = await Tenants.load(store)
             await tenants.create_tenant("bench", Limits(rpm=10**9, tpm=10**12, tpd=10**13))

@@ -32,12 +32,20 @@ ensure_test_packages() {
   local missing=()
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
   [ -x /usr/bin/python3 ] || missing+=(python3)
+  # A real browser for the status pages' tests (Selenium drives it through chromedriver).
+  [ -x /usr/bin/chromium ] || missing+=(chromium)
+  [ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
+  # PostgreSQL's initdb and pg_ctl: the store tests start a throwaway cluster of their own.
+  ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing+=(postgresql)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "missing ${missing[*]}: install them (the tests that need them fail without)" >&2
     return 0
   fi
   echo "==> installing ${missing[*]} (Debian packages)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \
-    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
+  # Lock::Timeout: another install on this machine (another checkout's test run) holding the dpkg
+  # lock is waited for rather than failing this one.
+  local apt=(apt-get -o DPkg::Lock::Timeout=600)
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null \
+    || { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null; }
 }

@@ -21,5 +21,7 @@ scripts/build-binary.sh
 
 echo "==> pytest"
 # The REQUIRE variables turn "part missing" skips into failures: here, everything must run
-# (LLMGW_REQUIRE_NETNS: the fleet tests, which need root and `ip netns`).
-LLMGW_REQUIRE_BINARY=1 LLMGW_REQUIRE_REAL_PARTS=1 LLMGW_REQUIRE_NETNS=1 .venv/bin/python -m pytest -q "$@"
+# (LLMGW_REQUIRE_NETNS: the fleet tests, which need root and `ip netns`; LLMGW_REQUIRE_POSTGRES:
+# the store tests on PostgreSQL, which need Debian's postgresql).
+LLMGW_REQUIRE_BINARY=1 LLMGW_REQUIRE_REAL_PARTS=1 LLMGW_REQUIRE_NETNS=1 LLMGW_REQUIRE_POSTGRES=1 \
+  .venv/bin/python -m pytest -q "$@"

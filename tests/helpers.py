@@ -17,7 +17,7 @@ from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore
+from llmgw.server.store import open_store
 from llmgw.wire.messages import Inventory
 
 TESTS = Path(__file__).resolve().parent  # fixtures, goldens and the fakes' scripts live here
@@ -59,7 +59,7 @@ async def start_link_server(
     token: str = "join-secret",
 ) -> LinkServer:
     """A store, a registry and the link listener, in ``nursery``; cancel ``.cancel`` to stop it."""
-    store = await AsyncStore.open(data_dir)
+    store = await open_store(data_dir)
     registry = NodeRegistry(store, Liveness(interval=interval, missed=missed))
     await registry.load()
     listener = LinkListener(registry, tokens.digest(token), handshake_timeout=handshake_timeout)

@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from llmgw.server.store import NodeRow, Store
+import trio
+
+from llmgw.server.store import NodeRow, open_store
 
 # Bounded so that a child whose test died before killing it does not linger.
 MAX_LIFETIME_S = 60
@@ -16,13 +18,13 @@ MAX_LIFETIME_S = 60
 NODE_NAME = "node-killed"
 
 
-def main() -> None:
-    store = Store.open(Path(sys.argv[1]))
+async def main() -> None:
+    store = await open_store(Path(sys.argv[1]))
     now = time.time()
-    store.save_nodes([NodeRow(NODE_NAME, "0.1.0", '{"gpus": []}', "online", now, now, now)])
+    await store.save_nodes([NodeRow(NODE_NAME, "0.1.0", '{"gpus": []}', "online", now, now, now)])
     print("committed", flush=True)
-    time.sleep(MAX_LIFETIME_S)
+    await trio.sleep(MAX_LIFETIME_S)
 
 
 if __name__ == "__main__":
-    main()
+    trio.run(main)

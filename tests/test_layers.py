@@ -26,7 +26,9 @@ FORBIDDEN = {
 }
 # Heavy or hardware libraries, each with the only modules that may import it.
 SOLE_IMPORTERS = {
-    "apsw": {"server/store.py"},
+    "apsw": {"server/store/sqlite.py"},
+    "psycopg": {"server/store/postgres.py"},
+    "psycopg_pool": {"server/store/postgres.py"},
     "pynvml": {"agent/discovery/nvml.py"},
     "torch": {"agent/train_child.py"},
     "peft": {"agent/train_child.py"},

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from llmgw.server.store import AsyncStore, UsageRecord
+from llmgw.server.store import UsageRecord, open_store
 from llmgw.server.usage_book import UsageRecorder
 
 MAX_BATCH = 20
@@ -24,7 +24,7 @@ def record(i: int) -> UsageRecord:
 
 
 async def main() -> None:
-    store = await AsyncStore.open(Path(sys.argv[1]))
+    store = await open_store(Path(sys.argv[1]))
     recorder = UsageRecorder(store, flush_interval=3600, max_batch=MAX_BATCH)
     async with trio.open_nursery() as nursery:
         await nursery.start(recorder.run)

@@ -29,7 +29,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 
 import attrs
 import trio
@@ -45,7 +44,7 @@ from llmgw.core.catalog import (
     validate_profile,
 )
 from llmgw.server.changes import Changes
-from llmgw.server.store import AsyncStore, CatalogRow, Store, StoreError
+from llmgw.server.store import CatalogRow, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class NotFound(CatalogError):
 
 
 class Catalog:
-    def __init__(self, store: AsyncStore, entries: Iterable[Entry]) -> None:
+    def __init__(self, store: Store, entries: Iterable[Entry]) -> None:
         self._store = store
         self._models: dict[str, Entry] = {}
         self._profiles: dict[str, Entry] = {}
@@ -106,10 +105,10 @@ class Catalog:
         self.stored_adapters: Callable[[], Mapping[str, StoredAdapter]] = dict
 
     @classmethod
-    async def load(cls, store: AsyncStore, models: Sequence[Model], profiles: Sequence[Profile]) -> Catalog:
+    async def load(cls, store: Store, models: Sequence[Model], profiles: Sequence[Profile]) -> Catalog:
         """The catalog in the store, once server.yaml's entries (``models``, ``profiles``, already
         validated together by the config) have replaced the earlier config's."""
-        stored = _entries(*await store.read(_rows_and_path))
+        stored = _entries(await store.list_catalog(), store.where)
         declared = {("model", m.name): m for m in models} | {("profile", p.name): p for p in profiles}
         # Profiles server.yaml declares use only models it declares; the API's are the question.
         still_used = {
@@ -139,8 +138,8 @@ class Catalog:
             before = previous.get((kind, name))
             unchanged = before is not None and before.source == CONFIG and before.spec == spec
             rows.append(_row(Entry(kind, spec, CONFIG, before.updated if unchanged else now)))
-        await store.write(Store.replace_config_entries, rows, demote)
-        catalog = cls(store, _entries(*await store.read(_rows_and_path)))
+        await store.replace_config_entries(rows, demote)
+        catalog = cls(store, _entries(await store.list_catalog(), store.where))
         catalog._warn_about_unfit_profiles()
         return catalog
 
@@ -194,7 +193,7 @@ class Catalog:
                 changes.append(Change(kind, spec.name, "created" if current is None else "updated"))
                 rows.append(Entry(kind, spec, API, now))
             if rows:
-                await self._store.write(Store.save_catalog_entries, [_row(entry) for entry in rows])
+                await self._store.save_catalog_entries([_row(entry) for entry in rows])
                 # No checkpoint from here on: a cancel arriving during the write is delivered only
                 # after memory matches what was committed.
                 for entry in rows:
@@ -221,7 +220,7 @@ class Catalog:
             if scaled == entry.spec:
                 return entry
             entry = Entry("profile", scaled, API, time.time())
-            await self._store.write(Store.save_catalog_entry, *_row_values(entry))
+            await self._store.save_catalog_entry(*_row_values(entry))
             self._profiles[name] = entry
             self._bump()
             return entry
@@ -238,7 +237,7 @@ class Catalog:
                             f'model "{name}" is used by profile {", ".join(users)}; delete or change those first'
                         ]
                     )
-            await self._store.write(Store.delete_catalog_entry, kind, name)
+            await self._store.delete_catalog_entry(kind, name)
             del self._table(kind)[name]
             self._bump()
 
@@ -328,11 +327,7 @@ def _row(entry: Entry) -> CatalogRow:
     return CatalogRow(*_row_values(entry))
 
 
-def _rows_and_path(store: Store) -> tuple[list[CatalogRow], Path]:
-    return store.list_catalog(), store.path
-
-
-def _entries(rows: Sequence[CatalogRow], path: Path) -> list[Entry]:
+def _entries(rows: Sequence[CatalogRow], where: str) -> list[Entry]:
     """Decodes stored rows with the same rules as a request, so a row that no longer fits the
     schema stops the start with its name instead of reaching the reconciler half-read."""
     sections: dict[str, list[dict]] = {"models": [], "profiles": []}
@@ -340,7 +335,7 @@ def _entries(rows: Sequence[CatalogRow], path: Path) -> list[Entry]:
         sections[f"{row.kind}s"].append({**json.loads(row.spec), "name": row.name})
     models, profiles, problems = structure_catalog(sections)
     if problems:
-        raise StoreError(f"{path}: the stored catalog cannot be read: {'; '.join(problems)}")
+        raise StoreError(f"{where}: the stored catalog cannot be read: {'; '.join(problems)}")
     source = {(row.kind, row.name): row for row in rows}
     return [
         Entry(kind, spec, source[kind, spec.name].source, source[kind, spec.name].updated)

@@ -44,7 +44,7 @@ from llmgw.core.training import (
 from llmgw.server.catalog import Catalog
 from llmgw.server.changes import Changes
 from llmgw.server.nodes import NodeRegistry, NodeUnavailable
-from llmgw.server.store import AdapterRow, AsyncStore, JobRow, Store, StoreError
+from llmgw.server.store import AdapterRow, JobRow, Store, StoreError
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
 from llmgw.wire.messages import CancelJob, CommandResult, JobPiece, JobStatus, Message, Register, StartJob
@@ -93,7 +93,7 @@ class Adapter:
 class JobManager:
     def __init__(
         self,
-        store: AsyncStore,
+        store: Store,
         registry: NodeRegistry,
         catalog: Catalog,
         data_dir: Path,
@@ -150,7 +150,7 @@ class JobManager:
         """Jobs and adapters from the store; call after the registry's load. Whatever a previous
         run left half-received is removed; jobs that cannot continue are failed."""
         await trio.to_thread.run_sync(self._prepare_dirs)
-        for row in await self._store.read(Store.list_adapters):
+        for row in await self._store.list_adapters():
             files = converter.structure(json.loads(row.files), tuple[FileDigest, ...])
             self._adapters[row.name] = Adapter(
                 name=row.name,
@@ -162,7 +162,7 @@ class JobManager:
             )
         await trio.to_thread.run_sync(self._remove_unlisted_adapter_dirs)
         now = self._clock()
-        for row in await self._store.read(Store.list_jobs):
+        for row in await self._store.list_jobs():
             job = converter.structure(json.loads(row.record), core.Job)
             self._jobs[job.id] = job
             after = core.after_restart(job, now)
@@ -379,7 +379,7 @@ class JobManager:
         )
         try:
             async with self._write_lock:
-                await self._store.write(Store.finish_job, _job_row(done), _adapter_row(adapter))
+                await self._store.finish_job(_job_row(done), _adapter_row(adapter))
         except StoreError as e:
             await trio.to_thread.run_sync(_remove, target)
             self._fail(job.id, f"cannot register the adapter: {e}")
@@ -479,7 +479,7 @@ class JobManager:
             ids, self._dirty = sorted(self._dirty), set()
             rows = [_job_row(self._jobs[i]) for i in ids if i in self._jobs]
             if rows:
-                await self._store.write(Store.save_jobs, rows)
+                await self._store.save_jobs(rows)
 
 
 # --- the request ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from llmgw.server.store import AsyncStore, Store, UsageRecord
+from llmgw.server.store import Store, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class JournalWriter:
 class JournalShipper:
     """The control plane's side: ships every worker's journal into the store, exactly once."""
 
-    def __init__(self, store: AsyncStore, directory: Path) -> None:
+    def __init__(self, store: Store, directory: Path) -> None:
         self._store = store
         self._directory = directory
         self.shipped = 0  # records, since this server started
@@ -123,7 +123,7 @@ class JournalShipper:
 
     async def ship_once(self) -> int:
         """Ships what the journals hold now; the number of records shipped."""
-        offsets = await self._store.read(Store.journal_offsets)
+        offsets = await self._store.journal_offsets()
         names = sorted(p.name for p in self._directory.glob("*.journal") if parse_segment(p.name))
         older = older_segments(names)
         shipped = 0
@@ -138,7 +138,7 @@ class JournalShipper:
                 lines = lines[:MAX_SHIP]
                 offset += sum(len(line) + 1 for line in lines)
                 records = [r for r in map(self._decode, lines) if r is not None]
-                await self._store.write(Store.ship_journal, name, records, offset)
+                await self._store.ship_journal(name, records, offset)
                 shipped += len(records)
             if name in older:
                 if data:
@@ -146,7 +146,7 @@ class JournalShipper:
                         "journal %s ends in %d bytes of a record never written whole", name, len(data)
                     )
                 path.unlink(missing_ok=True)
-                await self._store.write(Store.forget_journal, name)
+                await self._store.forget_journal(name)
         self.shipped += shipped
         return shipped
 

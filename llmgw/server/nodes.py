@@ -22,7 +22,7 @@ import trio
 from llmgw.core.liveness import Liveness, NodeState, node_state
 from llmgw.core.shard import ShardSpec
 from llmgw.server.changes import Changes
-from llmgw.server.store import AsyncStore, NodeRow, Store
+from llmgw.server.store import NodeRow, Store
 from llmgw.wire.codec import converter
 from llmgw.wire.messages import Compute, Inventory, Register, RunningShard, ShardState, ShardStatus
 
@@ -114,7 +114,7 @@ class NodeUnavailable(Exception):
 
 
 class NodeRegistry:
-    def __init__(self, store: AsyncStore, liveness: Liveness) -> None:
+    def __init__(self, store: Store, liveness: Liveness) -> None:
         self._store = store
         self.liveness = liveness
         self._nodes: dict[str, Node] = {}
@@ -139,7 +139,7 @@ class NodeRegistry:
         """Nodes known from before a restart. Each gets a full liveness window, counted from now,
         to reconnect before it is declared lost."""
         now = trio.current_time()
-        for row in await self._store.read(Store.list_nodes):
+        for row in await self._store.list_nodes():
             inventory = converter.structure(json.loads(row.inventory), Inventory)
             self._nodes[row.name] = Node(
                 name=row.name,
@@ -301,7 +301,7 @@ class NodeRegistry:
         names, self._dirty = self._dirty, set()
         rows = [self._row(self._nodes[name]) for name in sorted(names) if name in self._nodes]
         if rows:
-            await self._store.write(Store.save_nodes, rows)
+            await self._store.save_nodes(rows)
 
     @staticmethod
     def _row(node: Node) -> NodeRow:

@@ -39,7 +39,7 @@ from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
 from llmgw.server.routing import ReplicaRouter
 from llmgw.server.scrape import EngineScraper
-from llmgw.server.store import AsyncStore, Store
+from llmgw.server.store import Store, open_store, read_password
 from llmgw.server.tenants import Tenants
 from llmgw.server.ui import traffic_totals
 from llmgw.server.usage_book import UsageRecorder
@@ -60,11 +60,11 @@ class Endpoints:
 
 async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    store = await AsyncStore.open(config.data_dir)
+    store = await open_store(config.data_dir, config.store, read_password(config.store_password_file))
     try:
         join_digest = await _token_digest(store, "join_token_sha256", config.join_token_path)
         admin_digest = await _token_digest(store, "admin_token_sha256", config.admin_token_path)
-        engine_secret = await store.write(Store.ensure_secret, keys.SECRET_NAME, keys.new_secret, time.time())
+        engine_secret = await store.ensure_secret(keys.SECRET_NAME, keys.new_secret, time.time())
         registry = NodeRegistry(
             store, Liveness(interval=config.link.heartbeat_interval, missed=config.link.missed_heartbeats)
         )
@@ -196,12 +196,13 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             _write_endpoints(config.data_dir / ENDPOINTS_FILE, endpoints)
             log.info(
                 "llmgw server up: gateway on http://%s, agent link on %s%s, admin API on http://%s"
-                " (data in %s)",
+                " (data in %s, store %s)",
                 endpoints.gateway,
                 endpoints.link,
                 " (TLS)" if config.link.tls else "",
                 endpoints.admin,
                 config.data_dir,
+                store.where,
             )
             task_status.started(endpoints)
     finally:
@@ -235,12 +236,12 @@ def reconcile_config(config: ServerConfig) -> ReconcileConfig:
     )
 
 
-async def _token_digest(store: AsyncStore, secret_name: str, path: Path) -> bytes:
+async def _token_digest(store: Store, secret_name: str, path: Path) -> bytes:
     """Makes the token file on first start and records its digest; the file is the source of
     truth, so an operator rotates a token by replacing the file and restarting."""
     token = await trio.to_thread.run_sync(tokens.ensure_token_file, path)
     digest = tokens.digest(token)
-    await store.write(Store.put_secret, secret_name, digest, time.time())
+    await store.put_secret(secret_name, digest, time.time())
     return digest
 
 

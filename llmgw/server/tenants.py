@@ -24,7 +24,8 @@ import trio
 
 from llmgw.core.quota import Limits
 from llmgw.server import tokens
-from llmgw.server.store import ApiKeyRow, AsyncStore, Store, TenantRow
+from llmgw.server.changes import Changes
+from llmgw.server.store import ApiKeyRow, Store, TenantRow
 
 SECRET_PREFIX = "llmgw-"
 KEY_ID_PREFIX = "k-"
@@ -87,7 +88,7 @@ def key_id_of(secret: str) -> str | None:
 
 
 class Tenants:
-    def __init__(self, store: AsyncStore, tenants: Iterable[Tenant], keys: Iterable[tuple[KeyRecord, bytes]]):
+    def __init__(self, store: Store, tenants: Iterable[Tenant], keys: Iterable[tuple[KeyRecord, bytes]]):
         self._store = store
         self._tenants = {tenant.name: tenant for tenant in tenants}
         self._keys: dict[str, KeyRecord] = {}
@@ -97,11 +98,12 @@ class Tenants:
             if record.revoked is None:
                 self._digests[record.id] = digest
         self._lock = trio.Lock()
+        self.changes = Changes()  # bumped on every change: gateway workers get the keys anew
 
     @classmethod
-    async def load(cls, store: AsyncStore) -> Tenants:
-        tenant_rows = await store.read(Store.list_tenants)
-        key_rows = await store.read(Store.list_api_keys)
+    async def load(cls, store: Store) -> Tenants:
+        tenant_rows = await store.list_tenants()
+        key_rows = await store.list_api_keys()
         return cls(
             store,
             [Tenant(row.name, limits_from_json(json.loads(row.limits)), row.created) for row in tenant_rows],
@@ -122,6 +124,10 @@ class Tenants:
 
     def tenant(self, name: str) -> Tenant | None:
         return self._tenants.get(name)
+
+    def working_keys(self) -> list[tuple[KeyRecord, bytes]]:
+        """Every key that is not revoked, with its digest: what a gateway worker checks against."""
+        return [(self._keys[key_id], digest) for key_id, digest in sorted(self._digests.items())]
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -145,15 +151,17 @@ class Tenants:
             if name in self._tenants:
                 raise Conflict(f'tenant "{name}" already exists')
             tenant = Tenant(name, limits, time.time())
-            await self._store.write(Store.add_tenant, TenantRow(name, _limits_json(limits), tenant.created))
+            await self._store.add_tenant(TenantRow(name, _limits_json(limits), tenant.created))
             self._tenants[name] = tenant
+            self.changes.bump()
             return tenant
 
     async def set_limits(self, name: str, limits: Limits) -> Tenant:
         async with self._lock:
             tenant = self._existing_tenant(name)
-            await self._store.write(Store.set_tenant_limits, name, _limits_json(limits))
+            await self._store.set_tenant_limits(name, _limits_json(limits))
             tenant = self._tenants[name] = attrs.evolve(tenant, limits=limits)
+            self.changes.bump()
             return tenant
 
     async def delete_tenant(self, name: str) -> None:
@@ -164,10 +172,11 @@ class Tenants:
             if active := self.active_keys(name):
                 ids = ", ".join(key.id for key in active)
                 raise Conflict(f'tenant "{name}" still has working keys ({ids}); revoke them first')
-            await self._store.write(Store.delete_tenant, name)
+            await self._store.delete_tenant(name)
             del self._tenants[name]
             for key in self.list_keys(name):
                 del self._keys[key.id]
+            self.changes.bump()
 
     async def create_key(
         self, tenant: str, models: Iterable[str] = (), band: int = 0, limits: Limits | None = None
@@ -188,9 +197,10 @@ class Tenants:
             secret = f"{SECRET_PREFIX}{key_id}-{secrets.token_urlsafe(SECRET_BYTES)}"
             record = KeyRecord(key_id, tenant, models, band, limits, time.time())
             digest = tokens.digest(secret)
-            await self._store.write(Store.add_api_key, _key_row(record, digest))
+            await self._store.add_api_key(_key_row(record, digest))
             self._keys[key_id] = record
             self._digests[key_id] = digest
+            self.changes.bump()
             return record, secret
 
     async def revoke_key(self, key_id: str) -> KeyRecord:
@@ -202,9 +212,10 @@ class Tenants:
             if record.revoked is not None:
                 return record
             now = time.time()
-            await self._store.write(Store.revoke_api_key, key_id, now)
+            await self._store.revoke_api_key(key_id, now)
             record = self._keys[key_id] = attrs.evolve(record, revoked=now)
             del self._digests[key_id]
+            self.changes.bump()
             return record
 
     def _existing_tenant(self, name: str, field: str | None = None) -> Tenant:

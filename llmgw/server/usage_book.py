@@ -24,7 +24,7 @@ from datetime import UTC, date, datetime, time, timedelta
 import trio
 
 from llmgw.server.changes import Changes
-from llmgw.server.store import USAGE_GROUPS, AsyncStore, Store, StoreError, UsageRecord
+from llmgw.server.store import USAGE_GROUPS, Store, StoreError, UsageRecord
 
 __all__ = ["UsageRecord", "UsageRecorder", "parse_group_by", "parse_time"]
 
@@ -42,7 +42,7 @@ MAX_PENDING = 100_000
 class UsageRecorder:
     def __init__(
         self,
-        store: AsyncStore,
+        store: Store,
         *,
         flush_interval: float = FLUSH_INTERVAL,
         max_batch: int = MAX_BATCH,
@@ -93,7 +93,7 @@ class UsageRecorder:
     ) -> list[dict]:
         """Totals per group of the committed records with ``since <= time < until`` (wall-clock
         unix seconds): up to one flush interval behind :meth:`record`."""
-        return await self._store.read(Store.summarise_usage, list(group_by), since, until)
+        return await self._store.summarise_usage(list(group_by), since, until)
 
     async def _write_batch(self) -> bool:
         """Writes up to max_batch records in one transaction; False if the store refused them,
@@ -108,7 +108,7 @@ class UsageRecorder:
             # queued. It is short (the store's busy timeout bounds it), and the cancel lands at
             # the loop's next wait, with the batch committed.
             with trio.CancelScope(shield=True):
-                await self._store.write(Store.add_usage, batch)
+                await self._store.add_usage(batch)
         except StoreError as e:
             # The account must not take the server down; the next interval tries again.
             log.warning(

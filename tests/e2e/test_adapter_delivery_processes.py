@@ -20,7 +20,9 @@ from llmgw.agent import shard_state
 from llmgw.core import jobs as core_jobs
 from llmgw.core.training import FileDigest, JobState, TrainSpec
 from llmgw.server.jobs import Adapter, _adapter_row, _job_row
-from llmgw.server.store import Store
+from llmgw.server.store import ops
+from llmgw.server.store.sqlite import _Tx as SqliteTx
+from llmgw.server.store.sqlite import open_writer
 from tests.e2e.test_replicas_processes import fake_llama_server
 from tests.procs import Server, kill_recorded_shards, start_agent, wait_until, write_yaml
 
@@ -53,11 +55,12 @@ def keep_adapter(data_dir: Path, name: str) -> tuple[FileDigest, ...]:
         id="j-0001", node="n1", spec=spec, state=JobState.SUCCEEDED, created=now, finished=now, files=files
     )
     adapter = Adapter(name=name, model=MODEL, job_id=job.id, created=now, files=files, gguf=True)
-    store = Store.open(data_dir)
+    conn = open_writer(data_dir)  # before the server starts: no event loop needed
     try:
-        store.finish_job(_job_row(job), _adapter_row(adapter))
+        with conn:
+            ops.finish_job(SqliteTx(conn), _job_row(job), _adapter_row(adapter))
     finally:
-        store.close()
+        conn.close()
     return files
 
 

@@ -22,7 +22,7 @@ from llmgw.server import api, tokens
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore, UsageRecord
+from llmgw.server.store import UsageRecord, open_store
 from llmgw.server.tenants import Tenants
 from llmgw.server.usage_book import UsageRecorder
 from llmgw.wire.messages import Gpu, Inventory, Ping, Pong, Register
@@ -96,7 +96,7 @@ class Api:
 
 @pytest.fixture
 async def admin(tmp_path: Path, nursery):
-    store = await AsyncStore.open(tmp_path / "data")
+    store = await open_store(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     await registry.attach(
         AnsweringSession("gpu-1"), Register(node="gpu-1", agent_version="0.1.0", inventory=GPU_INVENTORY)
@@ -232,7 +232,7 @@ async def test_ctl_client_against_the_api(admin: Api):
 
 
 async def test_serve_admin_stops_when_cancelled(tmp_path: Path):
-    store = await AsyncStore.open(tmp_path / "data")
+    store = await open_store(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     catalog = await Catalog.load(store, [], [])
     with trio.fail_after(5):
@@ -470,7 +470,7 @@ class TenantApi:
 
 @pytest.fixture
 async def tenant_admin(tmp_path: Path, nursery):
-    store = await AsyncStore.open(tmp_path / "data")
+    store = await open_store(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     catalog = await Catalog.load(store, [], [])
     tenants = await Tenants.load(store)

@@ -4,7 +4,6 @@ reconciler hears of it."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import attrs
 import pytest
@@ -13,7 +12,7 @@ import trio.testing
 
 from llmgw.core.catalog import Model, Profile, name_problem
 from llmgw.server.catalog import API, CONFIG, Catalog, Change, Invalid, NotFound, Refused
-from llmgw.server.store import AsyncStore, CatalogRow, Store, StoreError
+from llmgw.server.store import CatalogRow, Store, StoreError
 
 SMOL = Model(name="smollm2-135m", path="/models/smollm2.gguf", format="gguf")
 SMOL_CPU = Profile(
@@ -35,14 +34,14 @@ SMOL_API = attrs.evolve(SMOL_CPU, name="smollm2-api")
 
 
 @pytest.fixture
-async def store(tmp_path: Path):
-    store = await AsyncStore.open(tmp_path / "data")
-    yield store
-    await store.aclose()
+async def store(open_test_store):  # on both backends
+    s = await open_test_store()
+    yield s
+    await s.aclose()
 
 
-async def rows(store: AsyncStore) -> dict[tuple[str, str], CatalogRow]:
-    return {(row.kind, row.name): row for row in await store.read(Store.list_catalog)}
+async def rows(store: Store) -> dict[tuple[str, str], CatalogRow]:
+    return {(row.kind, row.name): row for row in await store.list_catalog()}
 
 
 def sources(catalog: Catalog, kind: str) -> dict[str, str]:
@@ -65,7 +64,7 @@ def test_unusable_names(name: str):
 # --- loading: server.yaml's entries and the store's ---------------------------------------------
 
 
-async def test_config_entries_are_stored_as_config_and_api_entries_survive_a_restart(store: AsyncStore):
+async def test_config_entries_are_stored_as_config_and_api_entries_survive_a_restart(store: Store):
     catalog = await Catalog.load(store, [SMOL], [SMOL_CPU])
     assert catalog.models() == {"smollm2-135m": SMOL}
     assert catalog.profiles() == {"smollm2-cpu": SMOL_CPU}
@@ -77,7 +76,7 @@ async def test_config_entries_are_stored_as_config_and_api_entries_survive_a_res
     assert again.profiles()["qwen-l40s"] == QWEN_L40S
 
 
-async def test_a_new_server_yaml_replaces_the_old_ones_entries(store: AsyncStore):
+async def test_a_new_server_yaml_replaces_the_old_ones_entries(store: Store):
     first = await Catalog.load(store, [SMOL, QWEN], [SMOL_CPU, QWEN_L40S])
     stamped = {entry.name: entry.updated for entry in first.entries("model")}
 
@@ -93,7 +92,7 @@ async def test_a_new_server_yaml_replaces_the_old_ones_entries(store: AsyncStore
     assert third.entries("model") == second.entries("model")
 
 
-async def test_server_yaml_takes_over_an_api_entry_of_the_same_name(store: AsyncStore):
+async def test_server_yaml_takes_over_an_api_entry_of_the_same_name(store: Store):
     catalog = await Catalog.load(store, [], [])
     await catalog.apply([SMOL], [SMOL_CPU])
     declared = attrs.evolve(SMOL_CPU, band=7)
@@ -102,7 +101,7 @@ async def test_server_yaml_takes_over_an_api_entry_of_the_same_name(store: Async
     assert catalog.profiles()["smollm2-cpu"].band == 7
 
 
-async def test_a_model_server_yaml_drops_stays_while_an_api_profile_uses_it(store: AsyncStore, caplog):
+async def test_a_model_server_yaml_drops_stays_while_an_api_profile_uses_it(store: Store, caplog):
     catalog = await Catalog.load(store, [SMOL, QWEN], [])
     await catalog.apply([], [SMOL_API])
 
@@ -116,7 +115,7 @@ async def test_a_model_server_yaml_drops_stays_while_an_api_profile_uses_it(stor
     assert await rows(store) == {}
 
 
-async def test_an_api_profile_the_new_models_do_not_fit_is_kept_with_a_warning(store: AsyncStore, caplog):
+async def test_an_api_profile_the_new_models_do_not_fit_is_kept_with_a_warning(store: Store, caplog):
     catalog = await Catalog.load(store, [SMOL], [])
     await catalog.apply([], [SMOL_API])
     as_safetensors = attrs.evolve(SMOL, path="/models/smollm2", format="safetensors")
@@ -130,19 +129,19 @@ async def test_an_api_profile_the_new_models_do_not_fit_is_kept_with_a_warning(s
     assert "llmgw ctl delete profile smollm2-api" in caplog.text
 
 
-async def test_a_stored_entry_that_cannot_be_read_stops_the_load_naming_it(store: AsyncStore):
-    await store.write(Store.save_catalog_entry, "profile", "old", '{"engine": "vllm", "gpus": 2}', API, 1.0)
+async def test_a_stored_entry_that_cannot_be_read_stops_the_load_naming_it(store: Store):
+    await store.save_catalog_entry("profile", "old", '{"engine": "vllm", "gpus": 2}', API, 1.0)
     with pytest.raises(StoreError) as info:
         await Catalog.load(store, [], [])
     message = str(info.value)
-    assert "llmgw.db: the stored catalog cannot be read: " in message
+    assert f"{store.where}: the stored catalog cannot be read: " in message
     assert "profiles.old.gpus: unknown key" in message
 
 
 # --- apply ------------------------------------------------------------------------------------
 
 
-async def test_apply_creates_updates_and_leaves_alone(store: AsyncStore):
+async def test_apply_creates_updates_and_leaves_alone(store: Store):
     catalog = await Catalog.load(store, [], [])
     assert await catalog.apply([QWEN], [QWEN_L40S]) == [
         Change("model", "org/qwen", "created"),
@@ -160,7 +159,7 @@ async def test_apply_creates_updates_and_leaves_alone(store: AsyncStore):
     assert catalog.profiles()["qwen-l40s"].max_replicas == 5
 
 
-async def test_apply_is_all_or_nothing_and_names_every_field(store: AsyncStore):
+async def test_apply_is_all_or_nothing_and_names_every_field(store: Store):
     catalog = await Catalog.load(store, [], [])
     broken = attrs.evolve(QWEN_L40S, model="nope", nodes=0)
     with pytest.raises(Invalid) as info:
@@ -174,7 +173,7 @@ async def test_apply_is_all_or_nothing_and_names_every_field(store: AsyncStore):
     assert await rows(store) == {}
 
 
-async def test_apply_refuses_bad_names_and_twins(store: AsyncStore):
+async def test_apply_refuses_bad_names_and_twins(store: Store):
     catalog = await Catalog.load(store, [], [])
     with pytest.raises(Invalid) as info:
         await catalog.apply([QWEN, QWEN], [attrs.evolve(QWEN_L40S, name="has space")])
@@ -185,7 +184,7 @@ async def test_apply_refuses_bad_names_and_twins(store: AsyncStore):
     ]
 
 
-async def test_apply_refuses_to_touch_what_server_yaml_owns(store: AsyncStore):
+async def test_apply_refuses_to_touch_what_server_yaml_owns(store: Store):
     catalog = await Catalog.load(store, [SMOL], [SMOL_CPU])
     with pytest.raises(Refused) as info:
         await catalog.apply([attrs.evolve(SMOL, path="/x.gguf")], [attrs.evolve(SMOL_CPU, band=1)])
@@ -196,7 +195,7 @@ async def test_apply_refuses_to_touch_what_server_yaml_owns(store: AsyncStore):
     assert catalog.models() == {"smollm2-135m": SMOL}
 
 
-async def test_replacing_a_model_must_keep_its_profiles_valid(store: AsyncStore):
+async def test_replacing_a_model_must_keep_its_profiles_valid(store: Store):
     catalog = await Catalog.load(store, [], [])
     await catalog.apply([attrs.evolve(SMOL, name="smol-api")], [attrs.evolve(SMOL_CPU, model="smol-api")])
     with pytest.raises(Invalid) as info:
@@ -209,7 +208,7 @@ async def test_replacing_a_model_must_keep_its_profiles_valid(store: AsyncStore)
 # --- scale ------------------------------------------------------------------------------------
 
 
-async def test_scale_sets_bounds_and_keeps_what_is_not_given(store: AsyncStore):
+async def test_scale_sets_bounds_and_keeps_what_is_not_given(store: Store):
     catalog = await Catalog.load(store, [], [])
     await catalog.apply([QWEN], [QWEN_L40S])
     entry = await catalog.scale("qwen-l40s", min_replicas=2)
@@ -219,7 +218,7 @@ async def test_scale_sets_bounds_and_keeps_what_is_not_given(store: AsyncStore):
     assert (again.profiles()["qwen-l40s"].min_replicas, again.profiles()["qwen-l40s"].max_replicas) == (0, 0)
 
 
-async def test_scale_refusals(store: AsyncStore):
+async def test_scale_refusals(store: Store):
     catalog = await Catalog.load(store, [SMOL], [SMOL_CPU])
     await catalog.apply([QWEN], [QWEN_L40S])
     with pytest.raises(Invalid) as info:
@@ -234,7 +233,7 @@ async def test_scale_refusals(store: AsyncStore):
 # --- remove -----------------------------------------------------------------------------------
 
 
-async def test_remove(store: AsyncStore):
+async def test_remove(store: Store):
     catalog = await Catalog.load(store, [SMOL], [SMOL_CPU])
     await catalog.apply([QWEN], [QWEN_L40S, attrs.evolve(QWEN_L40S, name="qwen-2")])
     with pytest.raises(Refused) as info:
@@ -258,7 +257,7 @@ async def test_remove(store: AsyncStore):
 # --- telling the reconciler ---------------------------------------------------------------------
 
 
-async def test_wait_changed_wakes_on_each_change_and_never_misses_one(store: AsyncStore):
+async def test_wait_changed_wakes_on_each_change_and_never_misses_one(store: Store):
     catalog = await Catalog.load(store, [], [])
     seen = catalog.version
     woke: list[int] = []

@@ -25,7 +25,7 @@ from llmgw.server.catalog import Catalog
 from llmgw.server.jobs import COMMAND_TIMEOUT, JobManager
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore, JobRow, Store
+from llmgw.server.store import JobRow, open_store
 from llmgw.wire.h2link import H2Link, LinkClosed
 from llmgw.wire.messages import (
     CancelJob,
@@ -87,7 +87,7 @@ async def start_server(nursery: trio.Nursery, data_dir: Path, link_port: int = 0
     cancel = trio.CancelScope()
 
     async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        store = await AsyncStore.open(data_dir)
+        store = await open_store(data_dir)
         try:
             with cancel:
                 registry = NodeRegistry(store, LIVENESS)
@@ -615,12 +615,14 @@ class MemoryStore:
     def __init__(self) -> None:
         self.job_rows: list[JobRow] = []
 
-    async def read(self, fn, *args):
+    async def list_jobs(self):
         return []
 
-    async def write(self, fn, *args):
-        if fn is Store.save_jobs:
-            self.job_rows += args[0]
+    async def list_adapters(self):
+        return []
+
+    async def save_jobs(self, rows):
+        self.job_rows += rows
 
 
 class FixedCatalog:

@@ -17,7 +17,7 @@ from llmgw.server.journal import (
     segment_name,
     whole_lines,
 )
-from llmgw.server.store import AsyncStore, Store, UsageRecord
+from llmgw.server.store import Store, UsageRecord, open_store
 
 
 def record(i: int, tenant: str = "acme") -> UsageRecord:
@@ -40,13 +40,13 @@ def test_segment_names_sort_by_worker_then_sequence_and_older_ones_are_known():
 
 @pytest.fixture
 async def store(tmp_path: Path):
-    store = await AsyncStore.open(tmp_path / "data")
+    store = await open_store(tmp_path / "data")
     yield store
     await store.aclose()
 
 
-async def usage_count(store: AsyncStore) -> int:
-    rows = await store.read(Store.summarise_usage, [], None, None)
+async def usage_count(store: Store) -> int:
+    rows = await store.summarise_usage([], None, None)
     return rows[0]["requests"] if rows else 0
 
 
@@ -91,7 +91,7 @@ async def test_a_restarted_worker_starts_a_new_segment_and_the_old_one_goes_once
     assert sorted(p.name for p in journals.iterdir()) == [segment_name("w0", 1), segment_name("w0", 2)]
     assert await JournalShipper(store, journals).ship_once() == 2
     assert sorted(p.name for p in journals.iterdir()) == [segment_name("w0", 2)]
-    assert await store.read(Store.journal_offsets) == {segment_name("w0", 2): len(encode(record(2)))}
+    assert await store.journal_offsets() == {segment_name("w0", 2): len(encode(record(2)))}
 
 
 async def test_a_damaged_line_is_skipped_and_the_rest_still_shipped(store, tmp_path):

@@ -17,7 +17,7 @@ from llmgw.server.api import make_app
 from llmgw.server.catalog import Catalog
 from llmgw.server.jobs import JobManager
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore, UsageRecord
+from llmgw.server.store import UsageRecord, open_store
 from llmgw.server.tenants import Tenants
 from llmgw.server.ui import CONTENT_SECURITY_POLICY, COOKIE, PAGES, READABLE, STATIC, StatusPages
 from llmgw.server.usage_book import UsageRecorder
@@ -32,7 +32,7 @@ UI_ROOT = Path(__file__).resolve().parents[2] / "llmgw" / "server" / "ui" / "sta
 
 @pytest.fixture
 async def app(tmp_path: Path, nursery):
-    store = await AsyncStore.open(tmp_path / "data")
+    store = await open_store(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     await registry.attach(
         AnsweringSession("gpu-1"), Register(node="gpu-1", agent_version="0.1.0", inventory=GPU_INVENTORY)

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.server.store import AsyncStore, Store, StoreError, UsageRecord
+from llmgw.server.store import Store, StoreError, UsageRecord, open_store, ops
+from llmgw.server.store.sqlite import _Tx as SqliteTx
+from llmgw.server.store.sqlite import open_writer
 from llmgw.server.usage_book import UsageRecorder, parse_group_by, parse_time
 from tests.helpers import TESTS, kill_9_after
 
@@ -25,27 +27,29 @@ def usage(
 
 
 class CountingStore:
-    """The store, with every write transaction noted: (trio time, records in it).
+    """The SQLite store's usage operations, with every write transaction noted: (trio time,
+    records in it).
 
     Synchronous underneath: the autojump clock jumps while a task waits for a worker thread,
     which would make the noted times meaningless.
     """
 
     def __init__(self, data_dir: Path, failures: int = 0) -> None:
-        self.store = Store.open(data_dir)
+        self.conn = open_writer(data_dir)
         self.writes: list[tuple[float, int]] = []
         self.failures = failures  # the first writes to fail, as a full disk would
 
-    async def write(self, fn, records):
+    async def add_usage(self, records):
         await trio.lowlevel.checkpoint()
         if self.failures:
             self.failures -= 1
             raise StoreError("disk full")
         self.writes.append((trio.current_time(), len(records)))
-        return fn(self.store, records)
+        with self.conn:
+            ops.add_usage(SqliteTx(self.conn), records)
 
     def stored(self) -> int:
-        rows = self.store.summarise_usage([], None, None)
+        rows = ops.summarise_usage(SqliteTx(self.conn), [], None, None)
         return rows[0]["requests"] if rows else 0
 
 
@@ -53,18 +57,18 @@ class CountingStore:
 def counting(tmp_path: Path):
     s = CountingStore(tmp_path / "data")
     yield s
-    s.store.close()
+    s.conn.close()
 
 
 @pytest.fixture
-async def store(tmp_path: Path):
-    s = await AsyncStore.open(tmp_path / "data")
+async def store(open_test_store):  # on both backends
+    s = await open_test_store()
     yield s
     await s.aclose()
 
 
-async def stored(store: AsyncStore) -> int:
-    rows = await store.read(Store.summarise_usage, [], None, None)
+async def stored(store: Store) -> int:
+    rows = await store.summarise_usage([], None, None)
     return rows[0]["requests"] if rows else 0
 
 
@@ -128,7 +132,7 @@ async def test_a_failing_store_is_retried_and_nothing_is_lost(
     assert "5 records not written, retrying in 1 s: disk full" in caplog.text
 
 
-async def test_past_the_cap_the_oldest_are_dropped_and_counted(store: AsyncStore, caplog):
+async def test_past_the_cap_the_oldest_are_dropped_and_counted(store: Store, caplog):
     recorder = UsageRecorder(store, max_batch=2, max_pending=4)
     for i in range(7):
         recorder.record(usage(i))
@@ -138,11 +142,11 @@ async def test_past_the_cap_the_oldest_are_dropped_and_counted(store: AsyncStore
     with trio.CancelScope() as scope:
         scope.cancel()
         await recorder.run()
-    rows = await store.read(Store.summarise_usage, [], DAY1 + 3, None)
+    rows = await store.summarise_usage([], DAY1 + 3, None)
     assert rows[0]["requests"] == 4  # the newest: 3, 4, 5, 6
 
 
-async def test_max_pending_must_hold_a_batch(store: AsyncStore):
+async def test_max_pending_must_hold_a_batch(store: Store):
     with pytest.raises(ValueError, match=r"max_pending \(5\) must be at least max_batch \(10\)"):
         UsageRecorder(store, max_batch=10, max_pending=5)
 
@@ -152,7 +156,7 @@ async def test_kill_9_loses_only_the_unflushed_window(tmp_path: Path):
     data_dir = tmp_path / "data"
     await kill_9_after(CHILD, [str(data_dir)], b"recorded\n")
 
-    store = await AsyncStore.open(data_dir)
+    store = await open_store(data_dir)
     try:
         # The committed batch (20) survives; the 7 waiting for the next interval are the loss.
         assert await stored(store) == 20
@@ -160,9 +164,8 @@ async def test_kill_9_loses_only_the_unflushed_window(tmp_path: Path):
         await store.aclose()
 
 
-async def test_summaries_by_tenant_model_and_day(store: AsyncStore):
-    await store.write(
-        Store.add_usage,
+async def test_summaries_by_tenant_model_and_day(store: Store):
+    await store.add_usage(
         [
             usage(0, tenant="acme", model="a", latency=100.0),
             usage(1, tenant="acme", model="a", latency=300.0, status=500, completion=0),

@@ -19,7 +19,7 @@ from llmgw.server import tokens
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.run import _server_ssl_context
-from llmgw.server.store import AsyncStore
+from llmgw.server.store import open_store
 from llmgw.wire.messages import Ping
 from tests.helpers import fake_inventory, wait_for
 
@@ -70,7 +70,7 @@ async def test_agents_register_over_tls_and_wrong_ca_or_plaintext_never_do(tmp_p
     good_context = client_ssl_context(parse_agent_config(f"server:\n  ca_file: {ca}\n"))
     wrong_context = client_ssl_context(parse_agent_config(f"server:\n  ca_file: {other_ca}\n"))
 
-    store = await AsyncStore.open(tmp_path)
+    store = await open_store(tmp_path)
     registry = NodeRegistry(store, Liveness(interval=0.5, missed=4))
     listener = LinkListener(
         registry, tokens.digest(TOKEN), handshake_timeout=2.0, ssl_context=_server_ssl_context(server_config)

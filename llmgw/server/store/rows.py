@@ -1,0 +1,122 @@
+"""The store's rows, as both backends read and write them, and the tables they live in.
+
+JSON columns stay text here: decoding them is the caller's business, so a row read from one
+backend is byte-for-byte what the other stores.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class NodeRow:
+    name: str
+    agent_version: str
+    inventory: str  # JSON text; decoding it is the caller's business
+    state: str
+    first_seen: float
+    last_seen: float
+    state_since: float
+
+
+CATALOG_KINDS = ("model", "profile")
+# Who owns a catalog entry: server.yaml (re-applied at every start) or the admin API.
+CATALOG_SOURCES = ("config", "api")
+
+
+@attrs.frozen
+class CatalogRow:
+    kind: str  # one of CATALOG_KINDS
+    name: str
+    spec: str  # JSON text; decoding it is the caller's business
+    source: str  # one of CATALOG_SOURCES
+    updated: float
+
+
+@attrs.frozen
+class TenantRow:
+    name: str
+    limits: str  # JSON text
+    created: float
+
+
+@attrs.frozen
+class ApiKeyRow:
+    id: str
+    tenant: str
+    digest: bytes
+    models: str  # JSON text: a list of names
+    band: int
+    limits: str | None  # JSON text, or None for none of its own
+    created: float
+    revoked: float | None
+
+
+@attrs.frozen
+class UsageRecord:
+    """One request's entry in the usage account."""
+
+    time: float  # wall-clock unix seconds when the request arrived
+    tenant: str
+    key_id: str
+    model: str
+    replica: str  # '' when the request reached no replica
+    prompt_tokens: int
+    completion_tokens: int
+    latency_ms: float
+    status: int  # the HTTP status the client was given
+
+
+@attrs.frozen
+class JobRow:
+    id: str
+    node: str
+    state: str
+    created: float
+    record: str  # JSON text; decoding it is the caller's business
+
+
+@attrs.frozen
+class AdapterRow:
+    name: str
+    model: str
+    job_id: str
+    created: float
+    files: str  # JSON text
+    gguf: int  # 0 or 1
+
+
+@attrs.frozen
+class JournalOffset:
+    """How far one segment file of a gateway worker's usage journal has been shipped."""
+
+    file: str  # the segment's name, <worker>.<seq>.journal
+    offset: int  # bytes of it whose records are in the usage table
+
+
+# What usage can be summarised by. The SQL for each is the backend's (days are UTC).
+USAGE_GROUPS = ("tenant", "model", "day")
+
+
+@attrs.frozen
+class Table:
+    name: str
+    columns: tuple[str, ...]
+    key: tuple[str, ...]  # the primary key: the order a copy reads and checksums rows in
+
+
+# Every table, in an order that satisfies the foreign keys (tenants before api_keys): what
+# `llmgw server store copy` moves and verifies.
+TABLES: tuple[Table, ...] = (
+    Table("nodes", tuple(attrs.fields_dict(NodeRow)), ("name",)),
+    Table("secrets", ("name", "value", "created"), ("name",)),
+    Table("catalog", tuple(attrs.fields_dict(CatalogRow)), ("kind", "name")),
+    Table("tenants", tuple(attrs.fields_dict(TenantRow)), ("name",)),
+    Table("api_keys", tuple(attrs.fields_dict(ApiKeyRow)), ("id",)),
+    Table("usage", ("id", *attrs.fields_dict(UsageRecord)), ("id",)),
+    Table("jobs", tuple(attrs.fields_dict(JobRow)), ("id",)),
+    Table("adapters", tuple(attrs.fields_dict(AdapterRow)), ("name",)),
+    Table("journal_offsets", tuple(attrs.fields_dict(JournalOffset)), ("file",)),
+)
+TABLES_BY_NAME = {table.name: table for table in TABLES}
