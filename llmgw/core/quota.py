@@ -46,8 +46,13 @@ which every limit admits the request.
 not the current ones. A bucket that has left its window is no longer counted by anyone, so
 adjusting it would change nothing; once :meth:`QuotaBook.prune` has dropped it, nothing is done.
 
-**Memory.** Each subject holds at most one window's buckets (13 + 25) once pruned; a subject idle
-for a whole day plus an hour has none left and is dropped. Every window is counted for every
+**Memory.** Pruning is part of every reservation, so the book stays bounded without anyone
+calling :meth:`QuotaBook.prune`: a window drops the buckets that have left it whenever its current
+bucket changes (at most once per bucket per subject, a walk of at most one window's buckets), and
+each reservation drops the subjects whose last count has left even the day window (found from the
+front of a least-recently-counted order, O(1) amortised). So a subject holds at most one window's
+buckets (13 + 25), and the book holds only the subjects counted within the last day and hour.
+Every window is counted for every
 subject reserved, whether or not it has a limit set, so a limit set during the day counts what
 came before it. The book lives in memory: a restart of the server starts every quota afresh;
 the usage records are the durable account.
@@ -59,6 +64,8 @@ no call comes with an earlier ``now`` than one before it.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from typing import Literal
 
@@ -143,6 +150,7 @@ class _WindowCounts:
         if current != self._at:
             self._at = current
             self._held = _Bucket()
+            self.prune(now)  # once per bucket: the window's buckets and a few that just left
             for number in range(current - self.window.full_buckets, current + 1):
                 bucket = self.buckets.get(number)
                 if bucket is not None:
@@ -170,8 +178,11 @@ class _WindowCounts:
             self._held.requests += requests
             self._held.tokens += tokens
 
-    def wait(self, of_tokens: bool, limit: int, cost: int, now: float) -> float:
-        """Seconds until the window admits ``cost`` more: the first boundary at which it does."""
+    def wait(self, of_tokens: bool, limit: int, cost: int, now: float, alone: bool = True) -> float:
+        """Seconds until the window admits ``cost`` more: the first boundary at which it does
+        (``math.inf`` when it never will: ``cost`` above ``limit`` and not ``alone``)."""
+        if cost > limit and not alone:
+            return math.inf
         current = self.window.bucket(now)
         counts = []  # oldest first
         for number in range(current - self.window.full_buckets, current + 1):
@@ -181,7 +192,7 @@ class _WindowCounts:
         # Boundary by boundary, the oldest bucket leaves the window. After the last one the
         # window is empty, and an empty window admits anything.
         for leaving, count in enumerate(counts):
-            if _admits(held, cost, limit):
+            if _admits(held, cost, limit, alone):
                 return 0.0 if leaving == 0 else (current + leaving) * self.window.bucket_seconds - now
             held -= count
         return (current + len(counts)) * self.window.bucket_seconds - now
@@ -192,8 +203,19 @@ class _WindowCounts:
             del self.buckets[number]
 
 
-def _admits(held: int, cost: int, limit: int) -> bool:
-    return held + cost <= limit or held == 0
+def _admits(held: int, cost: int, limit: int, alone: bool = True) -> bool:
+    return held + cost <= limit or (alone and held == 0)
+
+
+@frozen
+class Allowance:
+    """What one limit of one subject lets a book admit: ``amount`` (requests or tokens over the
+    limit's window; 0 admits nothing), and whether a request larger than it may run ``alone`` in
+    an empty window. A process's own limit is ``Allowance(amount=limit, alone=True)``; a gateway
+    worker's lease is its share, alone only when the share is the whole limit (core.leases)."""
+
+    amount: int
+    alone: bool = True
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -230,6 +252,8 @@ class QuotaBook:
 
     def __init__(self) -> None:
         self._subjects: dict[Hashable, dict[Window, _WindowCounts]] = {}
+        # Subject → when it was last counted, least recent first: the front is the next to leave.
+        self._last_counted: OrderedDict[Hashable, float] = OrderedDict()
 
     def __len__(self) -> int:
         """Subjects held."""
@@ -243,28 +267,54 @@ class QuotaBook:
         Nothing is counted when it is refused. On a tie between limits the first refusing one
         is named, subjects in ``quotas``' order and each subject's limits as rpm, tpm, tpd.
         """
+        allowances = {
+            subject: {
+                name: Allowance(amount=limit)
+                for name in ("rpm", "tpm", "tpd")
+                if (limit := getattr(limits, name)) is not None
+            }
+            for subject, limits in quotas.items()
+        }
+        return self.reserve_within(allowances, estimate_tokens, now)
+
+    def reserve_within(
+        self,
+        allowances: Mapping[Hashable, Mapping[LimitName, Allowance]],
+        estimate_tokens: int,
+        now: float,
+    ) -> Reservation | Refused:
+        """:meth:`reserve` against explicit allowances: a limit a subject's mapping leaves out is
+        unlimited. ``retry_after`` is ``math.inf`` when a limit never admits the request (larger
+        than an allowance that may not run alone)."""
         if estimate_tokens < 0:
             raise ValueError(f"estimate_tokens must be >= 0, not {estimate_tokens}")
+        self._drop_idle(now)
         refused: Refused | None = None
-        for subject, limits in quotas.items():
+        for subject, limits in allowances.items():
             windows = self._subjects.get(subject)
-            if windows is None:
-                continue  # nothing counted: empty windows admit anything
             for name, window, of_tokens in _CHECKS:
-                limit = getattr(limits, name)
-                if limit is None:
+                allowance = limits.get(name)
+                if allowance is None:
                     continue
-                counts = windows[window]
-                held = counts.held(now)
                 cost = estimate_tokens if of_tokens else 1
-                if _admits(held.tokens if of_tokens else held.requests, cost, limit):
-                    continue
-                wait = counts.wait(of_tokens, limit, cost, now)
+                if windows is None:
+                    # Nothing counted: an empty window admits anything its allowance lets alone.
+                    if _admits(0, cost, allowance.amount, allowance.alone):
+                        continue
+                    wait = math.inf
+                else:
+                    counts = windows[window]
+                    held = counts.held(now)
+                    if _admits(
+                        held.tokens if of_tokens else held.requests, cost, allowance.amount, allowance.alone
+                    ):
+                        continue
+                    wait = counts.wait(of_tokens, allowance.amount, cost, now, allowance.alone)
                 if refused is None or wait > refused.retry_after:
                     refused = Refused(subject=subject, limit=name, retry_after=wait)
         if refused is not None:
             return refused
-        for subject in quotas:
+        for subject in allowances:
             windows = self._subjects.get(subject)
             if windows is None:
                 windows = self._subjects[subject] = {
@@ -272,7 +322,9 @@ class QuotaBook:
                 }
             for counts in windows.values():
                 counts.count(estimate_tokens, now)
-        return Reservation(subjects=tuple(quotas), estimate_tokens=estimate_tokens, reserved_at=now)
+            self._last_counted[subject] = now
+            self._last_counted.move_to_end(subject)
+        return Reservation(subjects=tuple(allowances), estimate_tokens=estimate_tokens, reserved_at=now)
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """Replace the reservation's estimate with the tokens the request really used."""
@@ -294,13 +346,31 @@ class QuotaBook:
         minute = windows[MINUTE].held(now)
         return Usage(rpm=minute.requests, tpm=minute.tokens, tpd=windows[DAY].held(now).tokens)
 
+    def buckets(self) -> int:
+        """Buckets held over every subject and window: what the book's memory grows with."""
+        return sum(len(counts.buckets) for windows in self._subjects.values() for counts in windows.values())
+
     def prune(self, now: float) -> None:
-        """Drop the buckets that have left their window, and the subjects left with none."""
+        """Drop the buckets that have left their window, and the subjects left with none (all of
+        them at once; reservations do the same a little at a time)."""
         for subject, windows in list(self._subjects.items()):
             for counts in windows.values():
                 counts.prune(now)
             if not any(counts.buckets for counts in windows.values()):
                 del self._subjects[subject]
+                del self._last_counted[subject]
+
+    def _drop_idle(self, now: float) -> None:
+        # A subject last counted in a day bucket the day window no longer holds has nothing left
+        # in any window (the day's reaches furthest back): drop it whole.
+        oldest = DAY.bucket(now) - DAY.full_buckets
+        last = self._last_counted
+        while last:
+            subject, at = next(iter(last.items()))
+            if DAY.bucket(at) >= oldest:
+                break
+            del last[subject]
+            del self._subjects[subject]
 
     def _adjust(self, reservation: Reservation, requests: int, tokens: int) -> None:
         for subject in reservation.subjects:
