@@ -6,7 +6,7 @@ the top down; each imports only packages below it (``tests/test_layers.py`` fail
 - ``cli``: the subcommands; starts a role.
 - ``ctl``: the operator's CLI, one module per noun, each owning its parser; uses the gateway's HTTP
   stream for ``bench``. Never imports ``server`` or ``agent``.
-- ``server``: the control plane's shells: store (the only apsw importer), node registry and link
+- ``server``: the control plane's shells: store (sqlite.py the only apsw importer, postgres.py psycopg's), node registry and link
   listener, admin API, catalog, the reconciler's shell (replicas), the gateway's gate, engine
   scrapes, the usage book, tenants, jobs. Never imports ``agent``.
 - ``agent``: discovery (the only pynvml importer), the link client, the shard supervisor, the
