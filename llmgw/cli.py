@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--config", type=Path, metavar="FILE", help="server.yaml (default: built-in defaults)"
     )
+    # The server starts its gateway workers as this program with this flag (llmgw.server.workers).
+    server.add_argument("--gateway-worker", type=Path, metavar="SPEC", help=argparse.SUPPRESS)
     server.set_defaults(func=_cmd_server)
     server_actions = server.add_subparsers(dest="server_action", metavar="{store}")
     add_store_parser(server_actions)
@@ -107,11 +109,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
+    if args.gateway_worker is not None:
+        return _cmd_gateway_worker(args.gateway_worker)
     from llmgw.config import load_server_config
     from llmgw.server.run import run_server
     from llmgw.server.store import StoreError
 
     return _serve("server", load_server_config, run_server, args.config, {StoreError: EXIT_CONFIG})
+
+
+def _cmd_gateway_worker(spec_file: Path) -> int:
+    from llmgw.server.worker import load_spec, run_worker
+
+    _setup_logging("info")
+    try:
+        spec = load_spec(spec_file)
+    except (OSError, ValueError) as exc:
+        return _fail("gateway worker", exc, EXIT_CONFIG)
+    try:
+        return _run_role(run_worker, spec)
+    except OSError as exc:  # the port taken by another program, the directory gone
+        return _fail("gateway worker", exc, EXIT_CONFIG)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:

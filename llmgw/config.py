@@ -246,6 +246,14 @@ def _catalog_problems(models: Iterable[Model], profiles: Iterable[Profile]) -> I
             yield _BadValue(what, key=(section, entry.name, field))
 
 
+def _worker_count(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    # One worker holds all of each quota and of each replica's slots. Several would each need a
+    # share (leases granted by the control plane), which the gateway does not have yet: with
+    # more, every worker would enforce the whole quota on its own.
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1):
+        raise _BadValue(f"expected 0 (in the server process) or 1, got {_show(value)}", key=attribute.name)
+
+
 @attrs.frozen(kw_only=True)
 class GatewayConfig:
     """The OpenAI-compatible endpoint clients call with their API keys."""
@@ -257,6 +265,12 @@ class GatewayConfig:
     # How long a request may wait for a replica with room — also for one being started, scaled
     # up from zero or re-adopted after a server restart — before it is answered 503.
     queue_timeout: Duration = 60.0
+    # Processes that serve the gateway's port (SO_REUSEPORT), apart from the control plane: they
+    # go on serving while the server restarts or after it dies, and a new server adopts them.
+    # 0: the gateway runs inside the server process (it then stops with the server).
+    workers: int = attrs.field(default=1, validator=_worker_count)
+    # Stop the workers when the server stops. false: they serve through a restart.
+    stop_workers_on_exit: bool = False
 
 
 @attrs.frozen(kw_only=True)

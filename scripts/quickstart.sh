@@ -47,6 +47,7 @@ admin:
   listen: 127.0.0.1:$admin_port
 gateway:
   listen: 127.0.0.1:$gateway_port
+  stop_workers_on_exit: true   # Ctrl-C stops everything this script started
 models:
   smollm2: {path: $model, format: gguf}
 profiles:

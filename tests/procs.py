@@ -98,6 +98,7 @@ class Server:
         admin_port: int = 0,
         gateway_port: int = 0,
         reconcile: dict | None = None,
+        gateway: dict | None = None,
         **link: object,
     ) -> None:
         self.tmp = tmp
@@ -108,7 +109,12 @@ class Server:
                 "data_dir": str(self.data_dir),
                 "link": {"listen": f"127.0.0.1:{link_port}", **link},
                 "admin": {"listen": f"127.0.0.1:{admin_port}"},
-                "gateway": {"listen": f"127.0.0.1:{gateway_port}"},
+                # A test's server stops its gateway workers with it, unless the test says otherwise.
+                "gateway": {
+                    "listen": f"127.0.0.1:{gateway_port}",
+                    "stop_workers_on_exit": True,
+                    **(gateway or {}),
+                },
                 **({"reconcile": reconcile} if reconcile else {}),
             },
         )

@@ -1,7 +1,7 @@
 """The status page's overview, computed from what the admin API returns.
 
-:func:`summarise` reads the same JSON the API serves for nodes and replicas (one data source for
-ctl and the page), and :class:`SampleRing` keeps a short history of fleet-wide totals so the page
+:func:`summarise` reads nodes and replicas in the shape of the API's JSON objects (the server
+passes just the fields it counts, so a large fleet's overview stays cheap), and :class:`SampleRing` keeps a short history of fleet-wide totals so the page
 can draw rates over time without a metrics database. Pure: the shell takes the samples on its
 clock and passes every value in.
 """
@@ -28,7 +28,7 @@ def summarise(
     nodes: Sequence[Mapping], replicas: Sequence[Mapping], queue: Mapping[str, Mapping[int, int]]
 ) -> dict:
     """Counts for the overview: nodes by state, GPUs used/free per class, replicas by state, the
-    gateway's queue. ``nodes`` and ``replicas`` are the API's node and replica objects."""
+    gateway's queue. ``nodes`` and ``replicas`` have the API's node and replica objects' fields."""
     node_states: Counter[str] = Counter()
     gpu_classes: dict[str, dict[str, int]] = {}
     for node in nodes:

@@ -49,7 +49,7 @@ from llmgw.server.tenants import (
 )
 from llmgw.server.tenants import Invalid as TenantInvalid
 from llmgw.server.tenants import NotFound as TenantNotFound
-from llmgw.server.ui import StatusPages, TrafficTotals
+from llmgw.server.ui import StatusPages, TrafficTotals, node_summary, replica_summary
 from llmgw.server.usage_book import UsageRecorder, parse_group_by, parse_time
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
@@ -141,13 +141,11 @@ def make_app(
     traffic: TrafficTotals | None = None,  # the gateway's requests, errors, SLO violations
 ) -> QuartTrio:
     app = QuartTrio(__name__)
-    # The status pages read this API's own JSON: the same functions make their data.
+    # The status pages read this API's JSON; the overview counts the same records' fields.
     app.status_pages = StatusPages(
         admin_digest,
-        nodes=lambda: [node_json(node) for node in registry.list()],
-        replicas=lambda: (
-            [replica_json(record, registry, replicas) for record in replicas.list()] if replicas else []
-        ),
+        nodes=lambda: [node_summary(node) for node in registry.list()],
+        replicas=lambda: [replica_summary(record) for record in replicas.list()] if replicas else [],
         queue_depths=queue_depths,
         traffic=traffic,
         events=replicas.events if replicas is not None else None,

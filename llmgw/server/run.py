@@ -34,6 +34,7 @@ from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.jobs import JobManager
+from llmgw.server.journal import JournalShipper
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
@@ -43,10 +44,12 @@ from llmgw.server.store import Store, open_store, read_password
 from llmgw.server.tenants import Tenants
 from llmgw.server.ui import traffic_totals
 from llmgw.server.usage_book import UsageRecorder
+from llmgw.server.workers import WorkerPool, keys_message, routes_message
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS_FILE = "endpoints.json"
+WORKERS_DIR = "workers"  # the gateway workers' specs, sockets, state files and journals
 
 
 @attrs.frozen
@@ -103,22 +106,26 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         # its routes anew and the gate lets through the waiters that now have room. The
         # replicas scale on the load the gate and the scraper see (made just below).
         gate: ControlPlaneGate | None = None
+        pool: WorkerPool | None = None
+        front: WorkerPool | ControlPlaneGate | None = None
         scraper: EngineScraper | None = None
         router: ReplicaRouter | None = None
 
         def routes_changed() -> None:
             if router is not None:
                 router.refresh()
-            if gate is not None:
+            if pool is not None:
+                pool.routes_changed.bump()
+            elif gate is not None:
                 gate.redispatch()
 
         def load_of(profile: Profile, records: list[Replica]) -> LoadSignals:
-            queued = sum((gate.queue_depths().get(profile.model) or {}).values()) if gate else 0
+            queued = sum((front.queue_depths().get(profile.model) or {}).values()) if front else 0
             loads = [scraper.load(r.id) for r in records if r.state == ReplicaState.READY] if scraper else []
             return LoadSignals(
                 queue_depth=queued,
                 replicas=tuple(load for load in loads if load is not None),
-                idle_for=gate.idle_for(profile.model) if gate else 0.0,
+                idle_for=front.idle_for(profile.model) if front else 0.0,
             )
 
         replicas = ReplicaManager(
@@ -155,6 +162,22 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             ttft_targets=lambda model: _ttft_target(catalog, model),
         )
         gate.observer = metrics
+        # The gateway in worker processes of its own (see server/workers.py), or in this one.
+        if config.gateway.workers:
+            pool = WorkerPool(
+                config.data_dir / WORKERS_DIR,
+                count=config.gateway.workers,
+                host=config.gateway.listen.host,
+                port=config.gateway.listen.port,
+                queue_timeout=config.gateway.queue_timeout,
+                ttft_target=config.gateway.ttft_target,
+                keys=lambda: keys_message(tenants),
+                routes=lambda: routes_message(router, lambda model: _ttft_target(catalog, model)),
+                on_waiting=lambda _model: replicas.kick(),
+                keys_changed=tenants.changes,
+                stop_on_exit=config.gateway.stop_workers_on_exit,
+            )
+        front = pool or gate  # who holds the queues the scaler and the admin API read
         async with trio.open_nursery() as nursery:
             # Before the link listens: a registering agent's jobs are re-attached by it.
             await nursery.start(jobs.run)
@@ -168,7 +191,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     tenants=tenants,
                     usage=usage,
                     jobs=jobs,
-                    queued=lambda model: sum(gate.queue_depths().get(model, {}).values()),
+                    queued=lambda model: sum(front.queue_depths().get(model, {}).values()),
                     queue_depths=gate.queue_depths,
                     traffic=lambda: traffic_totals(metrics.registry),
                 ),
@@ -183,11 +206,16 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             nursery.start_soon(replicas.run)
             nursery.start_soon(scraper.run)
             await nursery.start(usage.run)
-            gateway_port = await nursery.start(
-                functools.partial(serve_gateway, router, gate=gate, metrics=metrics),
-                config.gateway.listen.host,
-                config.gateway.listen.port,
-            )
+            if pool is not None:
+                shipper = JournalShipper(store, config.data_dir / WORKERS_DIR)
+                nursery.start_soon(shipper.run)
+                gateway_port = await nursery.start(pool.run)
+            else:
+                gateway_port = await nursery.start(
+                    functools.partial(serve_gateway, router, gate=gate, metrics=metrics),
+                    config.gateway.listen.host,
+                    config.gateway.listen.port,
+                )
             endpoints = Endpoints(
                 link=_address(config.link.listen.host, link_listeners[0]),
                 admin=_address(config.admin.listen.host, admin_port),

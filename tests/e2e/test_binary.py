@@ -116,7 +116,7 @@ def test_server_serves_and_stops_cleanly(binary, frozen_env, tmp_path, target):
             "data_dir": str(data_dir),
             "link": {"listen": "127.0.0.1:0"},
             "admin": {"listen": "127.0.0.1:0"},
-            "gateway": {"listen": "127.0.0.1:0"},
+            "gateway": {"listen": "127.0.0.1:0", "stop_workers_on_exit": True},
         },
     )
     server = Proc([str(binary), "server", "--config", str(config)], tmp_path / "server.log", env=frozen_env)
@@ -181,7 +181,7 @@ def test_the_frozen_server_and_agent_serve_a_real_model(binary, frozen_env, tmp_
             "data_dir": str(data_dir),
             "link": {"listen": "127.0.0.1:0"},
             "admin": {"listen": "127.0.0.1:0"},
-            "gateway": {"listen": "127.0.0.1:0"},
+            "gateway": {"listen": "127.0.0.1:0", "stop_workers_on_exit": True},
             "models": {"smollm2": {"path": str(smollm2_gguf()), "format": "gguf"}},
             "profiles": {
                 "smollm2-cpu": {

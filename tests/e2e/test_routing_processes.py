@@ -400,8 +400,12 @@ def test_scale_from_zero_serves_the_first_request_then_goes_back_to_zero(real_pa
 
 
 def test_requests_during_a_server_restart_wait_and_succeed(real_parts, tmp_path):
+    """The gateway inside the server process (gateway.workers: 0), which dies with it: requests
+    to the restarted one wait until its replica is known again. (With workers, the default, they
+    are answered all along: tests/e2e/test_gateway_workers.py.)"""
     name = "smollm2-cpu"
-    fleet = Fleet(tmp_path, real_parts, {name: profile(name)}, gateway={"queue_timeout": QUEUE_TIMEOUT})
+    gateway = {"queue_timeout": QUEUE_TIMEOUT, "workers": 0}
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)}, gateway=gateway)
     held = False
     try:
         fleet.start()

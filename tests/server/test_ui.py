@@ -17,9 +17,17 @@ from llmgw.server.api import make_app
 from llmgw.server.catalog import Catalog
 from llmgw.server.jobs import JobManager
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import UsageRecord, open_store
+from llmgw.server.store import AsyncStore, UsageRecord
 from llmgw.server.tenants import Tenants
-from llmgw.server.ui import CONTENT_SECURITY_POLICY, COOKIE, PAGES, READABLE, STATIC, StatusPages
+from llmgw.server.ui import (
+    CONTENT_SECURITY_POLICY,
+    COOKIE,
+    OVERVIEW_REPLICAS,
+    PAGES,
+    READABLE,
+    STATIC,
+    StatusPages,
+)
 from llmgw.server.usage_book import UsageRecorder
 from llmgw.wire.messages import Register
 from tests.helpers import wait_for
@@ -32,7 +40,7 @@ UI_ROOT = Path(__file__).resolve().parents[2] / "llmgw" / "server" / "ui" / "sta
 
 @pytest.fixture
 async def app(tmp_path: Path, nursery):
-    store = await open_store(tmp_path / "data")
+    store = await AsyncStore.open(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     await registry.attach(
         AnsweringSession("gpu-1"), Register(node="gpu-1", agent_version="0.1.0", inventory=GPU_INVENTORY)
@@ -105,13 +113,15 @@ async def test_a_wrong_token_opens_no_session(app, token):
     assert len(app.status_pages.sessions) == 0
 
 
-async def test_a_login_posted_from_another_site_is_refused(app):
+@pytest.mark.parametrize("origin", ["http://evil.example", "null"])
+async def test_a_login_posted_from_another_site_is_refused(app, origin):
     client = app.test_client()
-    response = await client.post(
-        "/login", form={"token": ADMIN_TOKEN}, headers={"Origin": "http://evil.example"}
-    )
+    response = await client.post("/login", form={"token": ADMIN_TOKEN}, headers={"Origin": origin})
     assert response.status_code == 403
     assert "Set-Cookie" not in response.headers
+    # The page's own origin is let in.
+    own = await client.post("/login", form={"token": ADMIN_TOKEN}, headers={"Origin": "http://localhost"})
+    assert own.status_code == 303
 
 
 async def test_every_page_and_api_read_is_refused_without_a_session(app):
@@ -235,6 +245,25 @@ async def test_overview_queue_and_events_from_the_api_data(app):
     assert events.status_code == 400
     assert "after" in (await events.get_json())["error"]["message"]
     assert (await (await client.get("/admin/v1/events")).get_json()) == {"last": 0, "events": []}
+
+
+async def test_the_overview_lists_replicas_not_ready_first_and_at_most_its_limit():
+    def replica(i, state):
+        return {
+            "id": f"r-{i:04d}",
+            "profile": "p",
+            "model": "m",
+            "state": state,
+            "created": float(i),
+            "nodes": [],
+        }
+
+    rows = [replica(i, "Ready") for i in range(OVERVIEW_REPLICAS + 5)] + [replica(9999, "Pending")]
+    pages = StatusPages(tokens.digest(ADMIN_TOKEN), nodes=list, replicas=lambda: rows)
+    overview = pages.overview()
+    listed = overview["replica_rows"]
+    assert len(listed) == OVERVIEW_REPLICAS and overview["replicas"]["total"] == OVERVIEW_REPLICAS + 6
+    assert listed[0]["id"] == "r-9999" and listed[1]["id"] == "r-0000"
 
 
 async def test_bearer_token_clients_read_the_new_endpoints_too(app):

@@ -27,8 +27,10 @@ from quart_trio import QuartTrio
 
 from llmgw.core.events import EventLog
 from llmgw.core.overview import SAMPLE_INTERVAL, Sample, SampleRing, series, summarise
+from llmgw.core.replica import Replica
 from llmgw.core.sessions import SessionBook, session_digest
 from llmgw.server import tokens
+from llmgw.server.nodes import Node
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,14 @@ SECURITY_HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
+    # Not no-referrer: under it Chromium sends "Origin: null" with the login form's post, which
+    # the same-origin check must refuse. Same-origin keeps the server's paths off other sites.
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
+
+# The overview lists this many replicas, the ones not Ready first; the replicas page has them all.
+OVERVIEW_REPLICAS = 100
 
 LOGIN_FAILED = "That is not the admin token (it is in the server's admin token file)."
 LOGIN_REQUIRED = "Log in with the admin token to see this page."
@@ -123,7 +130,13 @@ class StatusPages:
 
     def overview(self) -> dict:
         nodes, replicas = self._nodes(), self._replicas()
-        return {**summarise(nodes, replicas, self._queue_depths()), "series": self._series()}
+        # Not Ready first, then by profile and age: what an operator looks for on the overview.
+        listed = sorted(replicas, key=lambda r: (r["state"] == "Ready", r["profile"], r["created"], r["id"]))
+        return {
+            **summarise(nodes, replicas, self._queue_depths()),
+            "series": self._series(),
+            "replica_rows": listed[:OVERVIEW_REPLICAS],
+        }
 
     def take_sample(self) -> None:
         nodes, replicas = self._nodes(), self._replicas()
@@ -288,6 +301,44 @@ def _bad_request(message: str) -> Response:
     response = jsonify(error={"message": message, "type": "invalid_request"})
     response.status_code = 400
     return response
+
+
+def node_summary(node: Node) -> dict:
+    """The fields of the API's node object (api.node_json) that the overview counts, without
+    converting the whole inventory: the overview of a large fleet stays cheap."""
+    return {
+        "name": node.name,
+        "state": node.state.value,
+        "inventory": {
+            "gpus": [
+                {"index": gpu.index, "gpu_class": gpu.gpu_class, "problems": gpu.problems}
+                for gpu in node.inventory.gpus
+            ]
+        },
+        "shards": [
+            {
+                "replica_id": shard.replica_id,
+                "state": shard.state,
+                "spec": None
+                if shard.spec is None
+                else {"gpus": [{"index": g.index} for g in shard.spec.gpus]},
+            }
+            for shard in node.shards.values()
+        ],
+    }
+
+
+def replica_summary(record: Replica) -> dict:
+    """The fields of the API's replica object (api.replica_json) the overview shows."""
+    return {
+        "id": record.id,
+        "profile": record.profile,
+        "model": record.model,
+        "state": record.state.value,
+        "nodes": [shard.node for shard in record.shards],
+        "created": record.created,
+        "reason": record.reason,
+    }
 
 
 def traffic_totals(registry: Any) -> tuple[float, float, float]:

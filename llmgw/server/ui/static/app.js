@@ -118,7 +118,7 @@ function bars(label, entries, id) {
 
 const pages = {
   async overview() {
-    const [o, r] = await Promise.all([getJSON("/admin/v1/overview"), getJSON("/admin/v1/replicas")]);
+    const o = await getJSON("/admin/v1/overview");
     const points = o.series.points;
     const latest = points.length ? points[points.length - 1] : null;
     const gpuUsed = Object.values(o.gpus).reduce((a, g) => a + g.used, 0);
@@ -144,8 +144,10 @@ const pages = {
       el("h2", { text: "GPUs by class" }),
       table(["Class", { label: "Total", num: 1 }, { label: "Used", num: 1 }, { label: "Free", num: 1 }, { label: "Unhealthy", num: 1 }],
         Object.entries(o.gpus).map(([k, g]) => [k, g.total, g.used, g.free, g.unhealthy]), "gpu-classes"),
-      el("h2", { text: "Replicas" }),
-      replicaTable(r.replicas, false),
+      el("h2", { text: o.replica_rows.length < o.replicas.total
+        ? "Replicas (" + o.replica_rows.length + " of " + o.replicas.total + ", those not Ready first)" : "Replicas" }),
+      table(["Replica", "Profile", "Model", "State", "On", "Age"],
+        o.replica_rows.map((r) => [r.id, r.profile, r.model, state(r.state), r.nodes.join(", ") || "—", age(r.created)]), "replicas"),
     ];
   },
 
@@ -175,7 +177,7 @@ const pages = {
 
   async replicas() {
     const [{ replicas }, { profiles }] = await Promise.all([getJSON("/admin/v1/replicas"), getJSON("/admin/v1/profiles")]);
-    return [el("h2", { text: replicas.length + " replicas" }), replicaTable(replicas, true, profiles)];
+    return [el("h2", { text: replicas.length + " replicas" }), replicaTable(replicas, profiles)];
   },
 
   async models() {
@@ -220,20 +222,17 @@ const pages = {
   },
 };
 
-function replicaTable(replicas, detailed, profiles) {
+function replicaTable(replicas, profiles) {
   const adapters = {};
-  for (const p of profiles || []) adapters[p.name] = (p.adapters || []).map((a) => a.name || a).join(", ");
-  const headers = ["Replica", "Profile", "Model", "State", "On", "Endpoint", "Age"];
-  if (detailed) headers.push("Adapters", "Why");
+  for (const p of profiles) adapters[p.name] = (p.adapters || []).map((a) => a.name || a).join(", ");
+  const headers = ["Replica", "Profile", "Model", "State", "On", "Endpoint", "Age", "Adapters", "Why"];
   return table(headers, replicas.map((r) => {
-    const row = [r.id, r.profile, r.model, state(r.state), r.shards.map((s) => s.node).join(", ") || "—", r.endpoint, age(r.created)];
-    if (detailed) {
-      const why = r.candidates.length
-        ? el("span", {}, r.reason, el("ul", { class: "reasons" }, ...r.candidates.map((c) => el("li", {}, el("b", { text: c.node }), ": " + c.reason))))
-        : r.reason || "";
-      row.push(adapters[r.profile] || "—", why);
-    }
-    return row;
+    // A Pending replica: every node's reason for not taking it.
+    const why = r.candidates.length
+      ? el("span", {}, r.reason, el("ul", { class: "reasons" }, ...r.candidates.map((c) => el("li", {}, el("b", { text: c.node }), ": " + c.reason))))
+      : r.reason || "";
+    return [r.id, r.profile, r.model, state(r.state), r.shards.map((s) => s.node).join(", ") || "—", r.endpoint,
+      age(r.created), adapters[r.profile] || "—", why];
   }), "replicas");
 }
 

@@ -1,0 +1,357 @@
+"""A gateway worker: the data plane in a process of its own (``llmgw server --gateway-worker SPEC``).
+
+The server starts its workers (see :mod:`llmgw.server.workers`); each binds the gateway's port with
+SO_REUSEPORT beside its siblings, so the kernel spreads connections over them and each uses a core
+of its own. A worker holds everything a request needs — API keys as digests, tenants and their
+limits, every served model's Ready replicas with their endpoints and engine keys — as the control
+plane last pushed it (:mod:`llmgw.server.worker_link`), and runs the same gate and relay as an
+in-process gateway on it. Nothing per request asks the control plane, so when the server dies or
+restarts the worker goes on serving with what it has, and the next server adopts it.
+
+Usage records go to the worker's own journal (:mod:`llmgw.server.journal`) as each request ends.
+
+Files, in the workers' directory (0700): ``<id>.json`` (the worker's spec, from the server),
+``<id>.state.json`` (pid and start time, for adoption), ``<id>.sock`` (the control stream), the
+journal's segments and ``<id>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import cattrs
+import trio
+
+from llmgw.core.quota import Limits
+from llmgw.core.scaling import EngineLoad
+from llmgw.gateway import serve_gateway
+from llmgw.gateway.contract import RequestRecord, Upstream
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.server.gate import ControlPlaneGate
+from llmgw.server.journal import JournalWriter
+from llmgw.server.routing import Route
+from llmgw.server.routing import Routes as ModelRoutes
+from llmgw.server.scrape import EngineSample
+from llmgw.server.tenants import KeyRecord, Tenant, key_id_of
+from llmgw.server.tokens import matches
+from llmgw.server.worker_link import (
+    LINK_ERRORS,
+    REPORT_INTERVAL,
+    Keys,
+    LineStream,
+    PushedLimits,
+    Report,
+    Routes,
+    Waiting,
+)
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What the server tells a worker it starts (a JSON file beside the worker's other files)."""
+
+    id: str
+    host: str
+    port: int
+    directory: str
+    queue_timeout: float
+    ttft_target: float
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.directory)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.dir / f"{self.id}.sock"
+
+    @property
+    def state_path(self) -> Path:
+        return self.dir / f"{self.id}.state.json"
+
+
+def spec_path(directory: Path, worker: str) -> Path:
+    return directory / f"{worker}.json"
+
+
+def load_spec(path: Path) -> WorkerSpec:
+    return cattrs.structure(json.loads(path.read_text()), WorkerSpec)
+
+
+def _limits(pushed: PushedLimits | None) -> Limits | None:
+    return None if pushed is None else Limits(rpm=pushed.rpm, tpm=pushed.tpm, tpd=pushed.tpd)
+
+
+class PushedState:
+    """What the control plane last pushed, as the gate, the relay and the metrics read it."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[KeyRecord, bytes]] = {}
+        self._tenants: dict[str, Tenant] = {}
+        self._routes: dict[str, ModelRoutes] = {}
+        self._models: list[str] = []
+        self._samples: dict[str, EngineSample] = {}
+        self._ttft: dict[str, float] = {}
+        self.have_keys = False
+        self.have_routes = False
+
+    def fresh(self) -> bool:
+        """Ready to serve: it has had both halves of the state at least once. A worker whose
+        control plane has gone stays fresh: serving with the last state is the point."""
+        return self.have_keys and self.have_routes
+
+    # --- from the control plane ------------------------------------------------------------------
+
+    def take_keys(self, keys: Keys) -> None:
+        self._keys = {
+            k.id: (
+                KeyRecord(k.id, k.tenant, tuple(k.models), k.band, _limits(k.limits), created=0.0),
+                bytes.fromhex(k.digest),
+            )
+            for k in keys.keys
+        }
+        self._tenants = {t.name: Tenant(t.name, _limits(t.limits) or Limits(), 0.0) for t in keys.tenants}
+        self.have_keys = True
+
+    def take_routes(self, routes: Routes) -> None:
+        built: dict[str, ModelRoutes] = {}
+        samples: dict[str, EngineSample] = {}
+        for model in routes.models:
+            replicas = []
+            for r in model.replicas:
+                load = (
+                    None
+                    if r.running is None
+                    else EngineLoad(running=r.running, waiting=r.waiting, saturation=r.saturation)
+                )
+                upstream = Upstream(host=r.host, port=r.port, engine_key=r.engine_key, replica=r.replica)
+                replicas.append(Route(replica=r.replica, upstream=upstream, slots=r.slots, load=load))
+                if r.running is not None:
+                    samples[r.replica] = EngineSample(model.model, "", r.running, r.waiting, r.saturation)
+            built[model.model] = ModelRoutes(
+                policy=model.policy,
+                load_factor=model.load_factor,
+                prefix_chars=model.prefix_chars,
+                replicas=tuple(replicas),
+            )
+        self._routes = built
+        self._models = sorted(built)
+        self._samples = samples
+        self._ttft = dict(routes.ttft_targets)
+        self.have_routes = True
+
+    # --- the gate's key directory ------------------------------------------------------------------
+
+    def authenticate(self, secret: str) -> KeyRecord | None:
+        key_id = key_id_of(secret)
+        entry = self._keys.get(key_id) if key_id is not None else None
+        if entry is None or not matches(secret, entry[1]):
+            return None
+        return entry[0]
+
+    def tenant(self, name: str) -> Tenant | None:
+        return self._tenants.get(name)
+
+    # --- the router ----------------------------------------------------------------------------------
+
+    def routes(self, model: str) -> ModelRoutes | None:
+        return self._routes.get(model)
+
+    def models(self) -> Sequence[str]:
+        return self._models
+
+    def ready_upstreams(self, model: str) -> Sequence[Upstream] | None:
+        routes = self._routes.get(model)
+        return None if routes is None else [route.upstream for route in routes.replicas]
+
+    # --- the metrics' engine loads ----------------------------------------------------------------
+
+    def snapshot(self) -> Mapping[str, EngineSample]:
+        return self._samples
+
+    def ttft_target(self, model: str) -> float | None:
+        return self._ttft.get(model)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.state = PushedState()
+        self.journal = JournalWriter(spec.dir, spec.id)
+        self.requests = 0
+        self._waiting_send, self._waiting_receive = trio.open_memory_channel[str](256)
+        self.gate = ControlPlaneGate(
+            self.state,
+            self.state,
+            self.journal,
+            queue_timeout=spec.queue_timeout,
+            on_waiting=self._note_waiting,
+        )
+        self.metrics = GatewayMetrics(
+            gate=self.gate,
+            engines=self.state,
+            ttft_target=spec.ttft_target,
+            ttft_targets=self.state.ttft_target,
+        )
+        self.gate.observer = self.metrics
+        self._control: trio.CancelScope | None = None
+
+    def _note_waiting(self, model: str) -> None:
+        try:
+            self._waiting_send.send_nowait(model)
+        except trio.WouldBlock:
+            pass  # the control plane is told of this model on the next one, or not there now
+
+    def _count(self, record: RequestRecord) -> None:
+        self.requests += 1
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listener = await _reuse_port_listener(self.spec.host, self.spec.port)
+        control = await _unix_listener(self.spec.socket_path)
+        _write_state(self.spec)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    lambda task_status: serve_gateway(
+                        self.state,
+                        self.spec.host,
+                        self.spec.port,
+                        gate=self.gate,
+                        on_done=self._count,
+                        metrics=self.metrics,
+                        fresh=self.state.fresh,
+                        listeners=[listener],
+                        task_status=task_status,
+                    )
+                )
+                nursery.start_soon(trio.serve_listeners, self._serve_control, [control])
+                log.info(
+                    "gateway worker %s (pid %d) on %s:%d",
+                    self.spec.id,
+                    os.getpid(),
+                    self.spec.host,
+                    self.spec.port,
+                )
+                task_status.started()
+        finally:
+            self.journal.close()
+
+    async def _serve_control(self, stream: trio.SocketStream) -> None:
+        """One control plane at a time: a new connection (a restarted server) replaces the old."""
+        if self._control is not None:
+            self._control.cancel()
+        with trio.CancelScope() as scope:
+            self._control = scope
+            link = LineStream(stream)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._report, link)
+                    while True:
+                        message = await link.receive()
+                        if isinstance(message, Keys):
+                            self.state.take_keys(message)
+                        elif isinstance(message, Routes):
+                            self.state.take_routes(message)
+                            self.gate.redispatch()
+            except* LINK_ERRORS as group:
+                log.info("control plane link closed: %s", group.exceptions[0])
+            except* Exception:
+                # A message this worker could not apply: it serves on with what it had, and the
+                # next control plane connection pushes the state afresh.
+                log.exception("control plane message not applied; link closed")
+            finally:
+                with trio.CancelScope(shield=True):
+                    await link.aclose()
+
+    async def _report(self, link: LineStream) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._forward_waiting, link)
+            while True:
+                await link.send(self._snapshot())
+                await trio.sleep(REPORT_INTERVAL)
+
+    async def _forward_waiting(self, link: LineStream) -> None:
+        async for model in self._waiting_receive:
+            await link.send(Waiting(model=model))
+
+    def _snapshot(self) -> Report:
+        models = self.state.models()
+        return Report(
+            worker=self.spec.id,
+            pid=os.getpid(),
+            fresh=self.state.fresh(),
+            requests=self.requests,
+            in_flight=tuple(
+                (model, replica, n) for model in models for replica, n in self.gate.in_flight(model).items()
+            ),
+            queued=tuple(
+                (model, band, n)
+                for model, bands in self.gate.queue_depths().items()
+                for band, n in bands.items()
+            ),
+            idle_for=tuple((model, self.gate.idle_for(model)) for model in models),
+        )
+
+
+async def _reuse_port_listener(host: str, port: int) -> trio.SocketListener:
+    family, kind, proto, _, address = (await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+    sock = trio.socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Every worker of a server binds the same port: the kernel hashes connections across them.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    await sock.bind(address)
+    sock.listen(1024)
+    return trio.SocketListener(sock)
+
+
+async def _unix_listener(path: Path) -> trio.SocketListener:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a socket an earlier life of this worker left
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is the server's user's alone
+    try:
+        await sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(4)
+    return trio.SocketListener(sock)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None when
+    there is no such process. With the pid it tells a process from a later one reusing the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (errno.ENOENT, errno.ESRCH):
+            raise
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _write_state(spec: WorkerSpec) -> None:
+    state = {
+        "id": spec.id,
+        "pid": os.getpid(),
+        "start_time": process_start_time(os.getpid()),
+        "port": spec.port,
+    }
+    tmp = spec.state_path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump(state, file)
+    os.replace(tmp, spec.state_path)
+
+
+async def run_worker(spec: WorkerSpec, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    await Worker(spec).run(task_status=task_status)

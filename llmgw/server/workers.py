@@ -1,0 +1,406 @@
+"""The server's gateway workers: started, adopted, kept up to date, restarted when they die.
+
+Each worker (:mod:`llmgw.server.worker`) is a process of its own, in a session of its own: a kill
+of the server — or Ctrl-C on its terminal — does not reach it, and it serves on with the state it
+last had. A server starting finds the workers an earlier one left (``<id>.state.json``: the pid
+and its start time, so a pid reused by another program is never taken for one), connects to
+each on its socket and pushes the current state; it starts the ones missing. A worker that dies
+is started again after a backoff. On a graceful stop the server stops its workers only when
+``gateway.stop_workers_on_exit`` says so: by default they serve through a restart, as an agent's
+engines do.
+
+The pool also stands in, for the scaler and the admin API, for the gate the workers now hold: it
+sums their reports (queued requests, in flight, how long a model has been idle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import cattrs
+import trio
+
+from llmgw.core.backoff import reconnect_delay
+from llmgw.server.changes import Changes
+from llmgw.server.worker import WorkerSpec, process_start_time, spec_path
+from llmgw.server.worker_link import (
+    LINK_ERRORS,
+    Keys,
+    LineStream,
+    LinkLost,
+    PushedKey,
+    PushedLimits,
+    PushedModel,
+    PushedReplica,
+    PushedTenant,
+    Report,
+    Routes,
+    Waiting,
+)
+
+log = logging.getLogger(__name__)
+
+# A worker just started listens on its socket within this; one that does not is started again.
+CONNECT_WITHIN = 30.0
+# A report older than this no longer counts towards the scaler's view (a worker stuck or gone).
+REPORT_STALE = 5.0
+# SIGTERM, then SIGKILL after this long, when the server stops its workers.
+STOP_GRACE = 10.0
+RESTART_INITIAL, RESTART_MAX = 0.5, 30.0
+
+
+def worker_command(spec_file: Path) -> list[str]:
+    """This same program, as the worker: the frozen binary is its own interpreter."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable, "server", "--gateway-worker", str(spec_file)]
+    return [sys.executable, "-m", "llmgw", "server", "--gateway-worker", str(spec_file)]
+
+
+@attrs.define(eq=False)
+class _Worker:
+    id: str
+    pid: int = 0
+    adopted: bool = False
+    report: Report | None = None
+    reported_at: float = -1e9  # trio time
+    connected: bool = False
+    restarts: int = 0
+    process: trio.Process | None = None  # ours to reap when we started it
+    serving: trio.Event = attrs.field(factory=trio.Event)  # set once it reported it serves
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        count: int,
+        host: str,
+        port: int,
+        queue_timeout: float,
+        ttft_target: float,
+        keys: Callable[[], Keys],
+        routes: Callable[[], Routes],
+        on_waiting: Callable[[str], None],
+        keys_changed: Changes,
+        stop_on_exit: bool = False,
+    ) -> None:
+        self._directory = directory
+        self._count = count
+        self._host = host
+        self._port = port
+        self._queue_timeout = queue_timeout
+        self._ttft_target = ttft_target
+        self._keys = keys
+        self._routes = routes
+        self._on_waiting = on_waiting
+        self._stop_on_exit = stop_on_exit
+        self.keys_changed = keys_changed  # the tenants' own: keys and limits changed
+        self.routes_changed = Changes()  # bumped by the server when its routes change
+        self._workers: dict[str, _Worker] = {}
+        self._reserved: socket.socket | None = None
+
+    # --- what the rest of the server reads --------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def workers(self) -> list[_Worker]:
+        return [self._workers[name] for name in sorted(self._workers)]
+
+    def queue_depths(self) -> dict[str, dict[int, int]]:
+        depths: dict[str, dict[int, int]] = {}
+        for report in self._fresh_reports():
+            for model, band, n in report.queued:
+                bands = depths.setdefault(model, {})
+                bands[band] = bands.get(band, 0) + n
+        return depths
+
+    def idle_for(self, model: str) -> float:
+        """The least any worker says: a model is idle only if it is idle everywhere."""
+        idle = [dict(report.idle_for).get(model, 0.0) for report in self._fresh_reports()]
+        return min(idle) if idle else 0.0
+
+    def in_flight(self, model: str) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for report in self._fresh_reports():
+            for m, replica, n in report.in_flight:
+                if m == model:
+                    counts[replica] = counts.get(replica, 0) + n
+        return counts
+
+    def _fresh_reports(self) -> list[Report]:
+        now = trio.current_time()
+        return [
+            w.report
+            for w in self._workers.values()
+            if w.report is not None and now - w.reported_at < REPORT_STALE
+        ]
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self._directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self._directory, 0o700)
+        adopted = self._find_running()
+        self._reserve_port()
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in range(self._count):
+                    worker = adopted.pop(f"w{index}", None) or _Worker(id=f"w{index}")
+                    self._workers[worker.id] = worker
+                    nursery.start_soon(self._keep, worker)
+                for extra in adopted.values():  # an earlier server ran more than this one wants
+                    log.info(
+                        "gateway worker %s (pid %d): not wanted any more, stopping it", extra.id, extra.pid
+                    )
+                    nursery.start_soon(self._stop, extra)
+                # Up once every worker serves: a client told the port may use it at once.
+                with trio.move_on_after(CONNECT_WITHIN) as waiting:
+                    for worker in self._workers.values():
+                        await worker.serving.wait()
+                if waiting.cancelled_caught:
+                    late = ", ".join(w.id for w in self._workers.values() if not w.serving.is_set())
+                    raise OSError(
+                        f"gateway worker {late} did not start serving within {CONNECT_WITHIN:.0f} s "
+                        f"(its log: {self._directory}/<worker>.log)"
+                    )
+                task_status.started(self._port)
+        finally:
+            if self._stop_on_exit:
+                with trio.CancelScope(shield=True):
+                    async with trio.open_nursery() as nursery:
+                        for worker in self._workers.values():
+                            nursery.start_soon(self._stop, worker)
+            if self._reserved is not None:
+                self._reserved.close()
+
+    def _find_running(self) -> dict[str, _Worker]:
+        """The workers an earlier server left running, by id; stale files of dead ones removed."""
+        found = {}
+        for state_file in sorted(self._directory.glob("*.state.json")):
+            try:
+                state = json.loads(state_file.read_text())
+                worker_id, pid, started, port = state["id"], state["pid"], state["start_time"], state["port"]
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("ignoring %s: %s", state_file, exc)
+                continue
+            if started is not None and process_start_time(pid) == started:
+                if self._port and port != self._port:
+                    log.info(
+                        "gateway worker %s (pid %d) listens on %d, not %d: stopping it",
+                        worker_id,
+                        pid,
+                        port,
+                        self._port,
+                    )
+                    _signal(pid, signal.SIGTERM)
+                    continue
+                self._port = self._port or port
+                found[worker_id] = _Worker(id=worker_id, pid=pid, adopted=True)
+                log.info("gateway worker %s (pid %d) still serves: adopting it", worker_id, pid)
+            else:
+                state_file.unlink(missing_ok=True)
+        return found
+
+    def _reserve_port(self) -> None:
+        """Binds (without listening: it takes no connections) the gateway port with SO_REUSEPORT:
+        port 0 becomes a real port every worker then binds, and no other program can take it
+        while the server runs."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((self._host, self._port))
+        self._port = sock.getsockname()[1]
+        self._reserved = sock
+
+    async def _keep(self, worker: _Worker) -> None:
+        """Keeps one worker running and up to date, for the life of the server."""
+        while True:
+            if not worker.pid or process_start_time(worker.pid) is None:
+                await self._start(worker)
+            try:
+                await self._follow(worker)
+            except (LinkLost, OSError, EOFError, trio.TooSlowError) as exc:
+                log.warning("gateway worker %s (pid %d): %s", worker.id, worker.pid, exc)
+            worker.connected = False
+            if worker.pid and process_start_time(worker.pid) is not None:
+                await trio.sleep(0.2)  # alive: the link alone dropped, connect again
+                continue
+            delay = reconnect_delay(
+                worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
+            )
+            worker.restarts += 1
+            log.warning("gateway worker %s died: starting it again in %.1f s", worker.id, delay)
+            worker.pid = 0
+            await trio.sleep(delay)
+
+    async def _start(self, worker: _Worker) -> None:
+        spec = WorkerSpec(
+            id=worker.id,
+            host=self._host,
+            port=self._port,
+            directory=str(self._directory),
+            queue_timeout=self._queue_timeout,
+            ttft_target=self._ttft_target,
+        )
+        path = spec_path(self._directory, worker.id)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            json.dump(cattrs.unstructure(spec), file)
+        log_fd = os.open(self._directory / f"{worker.id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            process = await trio.lowlevel.open_process(
+                worker_command(path),
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                start_new_session=True,
+            )
+        finally:
+            os.close(log_fd)
+        worker.pid, worker.process, worker.adopted = process.pid, process, False
+        log.info("gateway worker %s started (pid %d)", worker.id, process.pid)
+
+    async def _follow(self, worker: _Worker) -> None:
+        """Connects to the worker, pushes the state, then every change; takes its reports."""
+        spec_sock = self._directory / f"{worker.id}.sock"
+        with trio.fail_after(CONNECT_WITHIN):
+            while True:
+                try:
+                    stream = await trio.open_unix_socket(str(spec_sock))
+                    break
+                except OSError:
+                    if worker.process is not None and worker.process.poll() is not None:
+                        raise EOFError(f"exited with status {worker.process.returncode}") from None
+                    await trio.sleep(0.05)
+        link = LineStream(stream)
+        worker.connected = True
+        lost: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._push, link, self.keys_changed, self._keys)
+                nursery.start_soon(self._push, link, self.routes_changed, self._routes)
+                while True:
+                    message = await link.receive()
+                    if isinstance(message, Report):
+                        worker.report, worker.reported_at = message, trio.current_time()
+                        if message.fresh:
+                            worker.restarts = 0  # it serves: the next death starts the backoff afresh
+                            worker.serving.set()
+                    elif isinstance(message, Waiting):
+                        self._on_waiting(message.model)
+        except* LINK_ERRORS as group:
+            lost = group.exceptions[0]
+        finally:
+            with trio.CancelScope(shield=True):
+                await link.aclose()
+        raise LinkLost(str(lost))
+
+    @staticmethod
+    async def _push(link: LineStream, changes: Changes, build: Callable[[], Keys | Routes]) -> None:
+        seen = -1
+        while True:
+            version = changes.version
+            if version != seen:
+                seen = version
+                await link.send(build())
+            await changes.wait_past(seen)
+
+    async def _stop(self, worker: _Worker) -> None:
+        if not worker.pid or process_start_time(worker.pid) is None:
+            return
+        _signal(worker.pid, signal.SIGTERM)
+        with trio.move_on_after(STOP_GRACE):
+            while process_start_time(worker.pid) is not None:
+                if worker.process is not None and worker.process.poll() is not None:
+                    break
+                await trio.sleep(0.05)
+        if process_start_time(worker.pid) is not None and (
+            worker.process is None or worker.process.poll() is None
+        ):
+            _signal(worker.pid, signal.SIGKILL)
+        if worker.process is not None:
+            await worker.process.wait()
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+# --- what the workers are told ------------------------------------------------------------------
+
+
+def pushed_limits(limits) -> PushedLimits | None:
+    return None if limits is None else PushedLimits(rpm=limits.rpm, tpm=limits.tpm, tpd=limits.tpd)
+
+
+def keys_message(tenants) -> Keys:
+    """server.tenants.Tenants as the workers need it: working keys as digests, tenants' limits."""
+    return Keys(
+        keys=tuple(
+            PushedKey(
+                id=record.id,
+                tenant=record.tenant,
+                digest=digest.hex(),
+                models=record.models,
+                band=record.band,
+                limits=pushed_limits(record.limits),
+            )
+            for record, digest in tenants.working_keys()
+        ),
+        tenants=tuple(
+            PushedTenant(name=t.name, limits=pushed_limits(t.limits) or PushedLimits())
+            for t in tenants.list_tenants()
+        ),
+    )
+
+
+def routes_message(router, ttft_target: Callable[[str], float | None]) -> Routes:
+    """server.routing.ReplicaRouter's routes for every served model."""
+    models = []
+    targets = []
+    for model in router.models():
+        routes = router.routes(model)
+        if routes is None:
+            continue
+        models.append(
+            PushedModel(
+                model=model,
+                policy=routes.policy,
+                load_factor=routes.load_factor,
+                prefix_chars=routes.prefix_chars,
+                replicas=tuple(
+                    PushedReplica(
+                        replica=route.replica,
+                        host=route.upstream.host,
+                        port=route.upstream.port,
+                        engine_key=route.upstream.engine_key,
+                        slots=route.slots,
+                        running=route.load.running if route.load is not None else None,
+                        waiting=route.load.waiting if route.load is not None else 0,
+                        saturation=route.load.saturation if route.load is not None else 0.0,
+                    )
+                    for route in routes.replicas
+                ),
+            )
+        )
+        target = ttft_target(model)
+        if target is not None:
+            targets.append((model, target))
+    return Routes(models=tuple(models), ttft_targets=tuple(targets))

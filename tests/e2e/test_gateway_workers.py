@@ -1,0 +1,121 @@
+"""Gateway workers, as a user runs them: the real server, agent and llama.cpp replica.
+
+- The server killed with -9 under a bounded load and started again: no request fails, no usage
+  record is lost, the engine never restarts and the new server adopts the worker (same pid).
+- A worker killed with -9: the server starts it again, and it serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.e2e.test_routing_processes import Fleet, alive, chat, profile
+from tests.procs import wait_until
+
+pytestmark = pytest.mark.slow
+
+CLIENTS = 3
+REQUESTS_EACH = 12
+
+
+def worker_state(fleet: Fleet) -> dict:
+    return json.loads((fleet.server.data_dir / "workers" / "w0.state.json").read_text())
+
+
+def usage_requests(fleet: Fleet) -> int:
+    rows = fleet.server.admin("GET", "/admin/v1/usage?by=tenant")["usage"]
+    return sum(row["requests"] for row in rows)
+
+
+@pytest.fixture(scope="module")
+def real_parts():
+    from tests.real_parts import require_llama_server, require_smollm2
+
+    return require_llama_server(), require_smollm2()
+
+
+def test_a_server_killed_under_load_costs_no_request_and_no_usage_record(real_parts, tmp_path):
+    name = "smollm2-cpu"
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)})
+    try:
+        fleet.start()
+        (replica,) = fleet.wait_ready(name, 1)
+        engine = fleet.engine_process(replica)
+        worker = worker_state(fleet)
+        status, body = chat(fleet, "Before the load: say hello.")
+        assert status == 200, body
+
+        results: list[tuple[int | str, str]] = []
+        lock = threading.Lock()
+        started = threading.Barrier(CLIENTS + 1)
+
+        def client(index: int) -> None:
+            started.wait()
+            for n in range(REQUESTS_EACH):
+                try:
+                    outcome = chat(fleet, f"Client {index}, request {n}: say hello.")
+                except (OSError, ValueError) as exc:
+                    outcome = (type(exc).__name__, str(exc))
+                with lock:
+                    results.append(outcome)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        wait_until(lambda: len(results) >= CLIENTS, "the load to be under way", deadline=120)
+        fleet.server.proc.kill9()
+        during = len(results)
+        time.sleep(1.0)  # a second with no control plane at all; the worker serves on
+        fleet.server.start()  # same config, data dir and ports: it adopts the worker
+        for thread in threads:
+            thread.join(timeout=300)
+        assert not any(thread.is_alive() for thread in threads), "a client did not finish in time"
+
+        assert len(results) == CLIENTS * REQUESTS_EACH
+        failed = [outcome for outcome in results if outcome[0] != 200]
+        assert not failed, f"{failed}\n{fleet.logs()}"
+        assert len(results) > during, "no request was answered after the kill"
+        after = worker_state(fleet)
+        assert (after["pid"], after["start_time"]) == (worker["pid"], worker["start_time"]), "not adopted"
+        assert alive(worker["pid"], worker["start_time"])
+        assert fleet.engine_process(replica) == engine
+        # Every answered request has its record: the journal survived the server's death.
+        answered = len(results) + 1
+        wait_until(lambda: usage_requests(fleet) == answered, f"{answered} usage records", deadline=60)
+        time.sleep(1.5)  # the shipper runs every 0.5 s: none is shipped twice either
+        assert usage_requests(fleet) == answered
+    finally:
+        fleet.stop()
+
+
+def test_a_killed_worker_is_started_again_and_serves(real_parts, tmp_path):
+    name = "smollm2-cpu"
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)})
+    try:
+        fleet.start()
+        fleet.wait_ready(name, 1)
+        first = worker_state(fleet)
+        os.kill(first["pid"], signal.SIGKILL)
+        wait_until(
+            lambda: worker_state(fleet)["pid"] != first["pid"],
+            "a new worker",
+            deadline=60,
+            proc=fleet.server.proc,
+        )
+
+        def serves() -> bool:
+            try:
+                return chat(fleet, "After the worker's death: say hello.")[0] == 200
+            except OSError:
+                return False
+
+        wait_until(serves, "the new worker to answer", deadline=60, proc=fleet.server.proc)
+    finally:
+        fleet.stop()
