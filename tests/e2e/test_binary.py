@@ -14,6 +14,8 @@ import socket
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -275,4 +277,48 @@ def test_the_frozen_server_and_agent_serve_a_real_model(binary, frozen_env, tmp_
         if agent is not None:
             agent.stop()
             kill_recorded_shards(tmp_path / "agent")
+        server.stop()
+
+
+def test_the_frozen_server_serves_the_status_pages(binary, frozen_env, tmp_path):
+    """The pages' HTML, script and style sheet are data files: frozen in by build/llmgw.spec and
+    found at run time, and the login works in the binary as in the source tree."""
+    data_dir = tmp_path / "data"
+    config = write_yaml(
+        tmp_path / "server.yaml",
+        {
+            "data_dir": str(data_dir),
+            "link": {"listen": "127.0.0.1:0"},
+            "admin": {"listen": "127.0.0.1:0"},
+            "gateway": {"listen": "127.0.0.1:0", "stop_workers_on_exit": True},
+        },
+    )
+    server = Proc([str(binary), "server", "--config", str(config)], tmp_path / "server.log", env=frozen_env)
+    try:
+        endpoints = wait_until(lambda: read_endpoints(data_dir), "the server to listen", DEADLINE, server)
+        base = f"http://{endpoints['admin']}"
+        static = ROOT / "llmgw" / "server" / "ui" / "static"
+        for name in ("app.js", "app.css"):
+            with urllib.request.urlopen(f"{base}/ui/static/{name}", timeout=DEADLINE) as response:
+                assert response.read().decode() == (static / name).read_text(), name
+        with urllib.request.urlopen(base + "/", timeout=DEADLINE) as response:
+            assert 'name="token"' in response.read().decode()
+            assert "script-src 'self'" in response.headers["Content-Security-Policy"]
+        token = (data_dir / "admin-token").read_text().strip()
+        login = urllib.request.Request(
+            base + "/login", data=urllib.parse.urlencode({"token": token}).encode(), method="POST"
+        )
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None
+
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.build_opener(NoRedirect).open(login, timeout=DEADLINE)
+        assert answer.value.code == 303
+        cookie = answer.value.headers["Set-Cookie"].split(";")[0]
+        page = urllib.request.Request(base + "/ui/nodes", headers={"Cookie": cookie})
+        with urllib.request.urlopen(page, timeout=DEADLINE) as response:
+            assert 'data-page="nodes"' in response.read().decode()
+    finally:
         server.stop()
