@@ -34,7 +34,7 @@ from llmgw.server.api import make_app  # noqa: E402
 from llmgw.server.catalog import Catalog  # noqa: E402
 from llmgw.server.nodes import NodeRegistry, Shard  # noqa: E402
 from llmgw.server.replicas import ReplicaManager  # noqa: E402
-from llmgw.server.store import AsyncStore  # noqa: E402
+from llmgw.server.store import open_store  # noqa: E402
 from llmgw.wire.messages import Gpu, Inventory, Register  # noqa: E402
 
 TOKEN = "bench-admin-token"
@@ -77,7 +77,7 @@ def inventory(name: str) -> Inventory:
 
 
 async def build(nodes: int, replicas: int, data_dir: Path):
-    store = await AsyncStore.open(data_dir)
+    store = await open_store(data_dir)
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     names = [f"gpu-{i:03d}" for i in range(nodes)]
     for name in names:

@@ -192,8 +192,9 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     usage=usage,
                     jobs=jobs,
                     queued=lambda model: sum(front.queue_depths().get(model, {}).values()),
-                    queue_depths=gate.queue_depths,
-                    traffic=lambda: traffic_totals(metrics.registry),
+                    queue_depths=lambda: front.queue_depths(),
+                    # Workers count their requests in their own processes, unreported here yet.
+                    traffic=(lambda: traffic_totals(metrics.registry)) if pool is None else None,
                 ),
                 registry,
                 catalog,

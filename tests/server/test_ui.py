@@ -12,12 +12,14 @@ from quart_trio import QuartTrio
 
 from llmgw.core.liveness import Liveness
 from llmgw.core.sessions import SESSION_LIFETIME, session_digest
+from llmgw.gateway import RequestRecord
+from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.server import tokens
 from llmgw.server.api import make_app
 from llmgw.server.catalog import Catalog
 from llmgw.server.jobs import JobManager
 from llmgw.server.nodes import NodeRegistry
-from llmgw.server.store import AsyncStore, UsageRecord
+from llmgw.server.store import UsageRecord, open_store
 from llmgw.server.tenants import Tenants
 from llmgw.server.ui import (
     CONTENT_SECURITY_POLICY,
@@ -27,6 +29,7 @@ from llmgw.server.ui import (
     READABLE,
     STATIC,
     StatusPages,
+    traffic_totals,
 )
 from llmgw.server.usage_book import UsageRecorder
 from llmgw.wire.messages import Register
@@ -40,7 +43,7 @@ UI_ROOT = Path(__file__).resolve().parents[2] / "llmgw" / "server" / "ui" / "sta
 
 @pytest.fixture
 async def app(tmp_path: Path, nursery):
-    store = await AsyncStore.open(tmp_path / "data")
+    store = await open_store(tmp_path / "data")
     registry = NodeRegistry(store, Liveness(interval=1.0, missed=3))
     await registry.attach(
         AnsweringSession("gpu-1"), Register(node="gpu-1", agent_version="0.1.0", inventory=GPU_INVENTORY)
@@ -264,6 +267,32 @@ async def test_the_overview_lists_replicas_not_ready_first_and_at_most_its_limit
     listed = overview["replica_rows"]
     assert len(listed) == OVERVIEW_REPLICAS and overview["replicas"]["total"] == OVERVIEW_REPLICAS + 6
     assert listed[0]["id"] == "r-9999" and listed[1]["id"] == "r-0000"
+
+
+def test_traffic_totals_sum_the_gateway_metrics_over_models():
+    metrics = GatewayMetrics(ttft_target=1.0)
+    answers = [
+        ("m1", 200, True, 0.5),
+        ("m1", 200, True, 3.0),
+        ("m2", 502, True, None),
+        ("m2", 200, False, 0.1),
+    ]
+    for model, status, completed, first_byte in answers:
+        metrics.on_done(
+            RequestRecord(
+                path="/v1/chat/completions", started=0.0, model=model, status=status,
+                completed=completed, finished=4.0, first_byte=first_byte,
+            )
+        )  # fmt: skip
+    # 4 answered; the 502 and the cut-off answer failed; one first token took 3 s > 1 s.
+    assert traffic_totals(metrics.registry) == (4.0, 2.0, 1.0)
+
+
+async def test_without_a_traffic_source_the_overview_says_so():
+    pages = StatusPages(tokens.digest(ADMIN_TOKEN), nodes=list, replicas=list)
+    pages.take_sample()
+    series = pages.overview()["series"]
+    assert series["traffic_reported"] is False and series["totals"] is None
 
 
 async def test_bearer_token_clients_read_the_new_endpoints_too(app):

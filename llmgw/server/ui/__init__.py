@@ -157,11 +157,15 @@ class StatusPages:
     def _series(self) -> dict:
         samples = self.samples.samples()
         latest = samples[-1] if samples else None
+        # No traffic source (the gateway runs in worker processes that do not report these
+        # counters): the page says so instead of showing zeros.
+        reported = self._traffic is not None
         return {
             "interval": SAMPLE_INTERVAL,
             "points": series(samples),
+            "traffic_reported": reported,
             "totals": None
-            if latest is None
+            if latest is None or not reported
             else {
                 "requests": latest.requests,
                 "errors": latest.errors,

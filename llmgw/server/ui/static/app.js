@@ -124,17 +124,20 @@ const pages = {
     const gpuUsed = Object.values(o.gpus).reduce((a, g) => a + g.used, 0);
     const gpuTotal = Object.values(o.gpus).reduce((a, g) => a + g.total, 0);
     const states = Object.entries(o.replicas).filter(([k]) => k !== "total");
-    const totals = o.series.totals || { requests: 0, errors: 0, slo_violations: 0 };
+    const totals = o.series.totals;
+    const rate = (key) => (totals && latest ? num(latest[key], 2) : "—");
+    const since = (key) => (totals ? num(totals[key]) + " since start" : o.series.traffic_reported ? "no sample yet" : "not reported by the gateway workers");
+    const span = points.length * o.series.interval;
     return [
       el("div", { class: "cards" },
         card("Nodes online", o.nodes.online || 0, (o.nodes.lost || 0) + " lost of " + o.nodes.total, "card-nodes"),
         card("GPUs used", gpuUsed + " / " + gpuTotal, (gpuTotal - gpuUsed) + " not in use", "card-gpus"),
         card("Replicas ready", o.replicas.Ready || 0, states.map(([k, v]) => k + " " + v).join(", ") || "none", "card-replicas"),
-        card("Requests/s", latest ? num(latest.request_rate, 2) : "—", num(totals.requests) + " since start", "card-rate"),
-        card("Errors/s", latest ? num(latest.error_rate, 2) : "—", num(totals.errors) + " since start", "card-errors"),
+        card("Requests/s", rate("request_rate"), since("requests"), "card-rate"),
+        card("Errors/s", rate("error_rate"), since("errors"), "card-errors"),
         card("Queue depth", o.queue_depth, "requests waiting at the gateway", "card-queue"),
-        card("SLO violations/s", latest ? num(latest.slo_violation_rate, 2) : "—", num(totals.slo_violations) + " since start", "card-slo")),
-      el("h2", { text: "Over the last " + Math.round((points.length * o.series.interval) / 60) + " minutes" }),
+        card("SLO violations/s", rate("slo_violation_rate"), since("slo_violations"), "card-slo")),
+      el("h2", { text: "Over the last " + (span < 120 ? span + " seconds" : Math.round(span / 60) + " minutes") }),
       el("div", { class: "charts" },
         sparkline("Requests/s", points, "request_rate", 2, "chart-rate"),
         sparkline("Errors/s", points, "error_rate", 2, "chart-errors"),
