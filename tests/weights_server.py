@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import re
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -32,6 +33,8 @@ class FileServer:
         self.extra_headers = extra_headers or {}
         self.seen: list[Seen] = []
         self.cut_after: int | None = None
+        # Seconds between chunks of 256 KiB: slows a download down enough to watch its progress.
+        self.chunk_delay = 0.0
         self.lock = threading.Lock()
         owner = self
 
@@ -108,6 +111,8 @@ class FileServer:
                     return
                 budget -= len(chunk)
                 seen.sent += len(chunk)
+                if self.chunk_delay:
+                    time.sleep(self.chunk_delay)
         if cut is not None:
             handler.close_connection = True
             handler.wfile.flush()
