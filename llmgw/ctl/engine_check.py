@@ -18,7 +18,7 @@ import attrs
 from rich.text import Text
 
 from llmgw.config import default_home
-from llmgw.core import engines, flags
+from llmgw.core import engines, flags, installs
 from llmgw.ctl import gpu_token, render
 from llmgw.ctl.client import CtlError
 
@@ -208,7 +208,9 @@ def find_llama_server(explicit: str | None, engines_dir: Path) -> tuple[str, str
     except OSError:
         variants = []
     for variant in rank_variants(variants, has_nvidia=NVIDIA_DEVICE.exists()):
-        for build in sorted((engines_dir / variant).glob("llama-*"), reverse=True):
+        builds = [p.name for p in (engines_dir / variant).glob(f"{installs.BUILD_PREFIX}*")]
+        # By build number: a string sort would take b9999 for newer than b10991.
+        for build in (engines_dir / variant / name for name in installs.newest_first(builds)):
             for binary in (build / "llama-server", build / "bin" / "llama-server"):
                 if os.access(binary, os.X_OK):
                     return str(binary), f"engines dir, {variant}"
@@ -228,7 +230,7 @@ def rank_variants(names: list[str], *, has_nvidia: bool) -> list[str]:
 
     def key(name: str) -> tuple[bool, tuple[int, ...]]:
         cuda_first = ("cuda" in name.lower()) != has_nvidia
-        version = tuple(int(n) for n in re.findall(r"\d+", name.split("-", 1)[0]))
+        version = installs.version_numbers(name.split("-", 1)[0])
         return cuda_first, tuple(-n for n in version)
 
     return sorted(names, key=key)

@@ -173,6 +173,22 @@ def test_engines_dir_build_is_found_before_the_package(tmp_path: Path, monkeypat
     )
 
 
+def test_the_newest_build_by_number_is_found(tmp_path: Path, monkeypatch) -> None:
+    """b10991 is newer than b9999, though it sorts before it as a string."""
+    monkeypatch.setattr(engine_check, "NVIDIA_DEVICE", tmp_path / "nvidia0")
+    for build in ("llama-b9999", "llama-b10991", "llama-b10990"):
+        binary = tmp_path / "b10991-cpu" / build / "bin" / "llama-server"
+        binary.parent.mkdir(parents=True)
+        binary.write_text("#!/bin/sh\n")
+        binary.chmod(0o755)
+    path, _how = engine_check.find_llama_server(None, tmp_path)
+    assert path == str(tmp_path / "b10991-cpu" / "llama-b10991" / "bin" / "llama-server")
+    assert engine_check.rank_variants(["b9999-cpu", "b10991-cpu"], has_nvidia=False) == [
+        "b10991-cpu",
+        "b9999-cpu",
+    ]
+
+
 # --- the real llama-server -------------------------------------------------------------------------------
 
 
