@@ -246,12 +246,15 @@ def _catalog_problems(models: Iterable[Model], profiles: Iterable[Profile]) -> I
             yield _BadValue(what, key=(section, entry.name, field))
 
 
+MAX_GATEWAY_WORKERS = 256
+
+
 def _worker_count(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    # One worker holds all of each quota and of each replica's slots. Several would each need a
-    # share (leases granted by the control plane), which the gateway does not have yet: with
-    # more, every worker would enforce the whole quota on its own.
-    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1):
-        raise _BadValue(f"expected 0 (in the server process) or 1, got {_show(value)}", key=attribute.name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GATEWAY_WORKERS:
+        raise _BadValue(
+            f"expected 0 (in the server process) to {MAX_GATEWAY_WORKERS} workers, got {_show(value)}",
+            key=attribute.name,
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -267,7 +270,11 @@ class GatewayConfig:
     queue_timeout: Duration = 60.0
     # Processes that serve the gateway's port (SO_REUSEPORT), apart from the control plane: they
     # go on serving while the server restarts or after it dies, and a new server adopts them.
-    # 0: the gateway runs inside the server process (it then stops with the server).
+    # 0: the gateway runs inside the server process (it then stops with the server). Several
+    # spread the gateway over cores, each holding leased shares of every quota and of every
+    # replica's slots (core.leases): a replica with fewer slots than there are workers then
+    # has requests wait for a share to move, and workers cut off from the server stop once
+    # their leases run out (30 s). One, the default, holds everything for as long as it runs.
     workers: int = attrs.field(default=1, validator=_worker_count)
     # Stop the workers when the server stops. false: they serve through a restart.
     stop_workers_on_exit: bool = False

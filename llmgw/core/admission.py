@@ -319,6 +319,14 @@ class AdmissionLane:
             bands[band] = bands.get(band, 0) + 1
         return bands
 
+    def waiting_by_tenant(self) -> dict[tuple[int, str], int]:
+        """Waiting requests per (band, tenant), those waiting for one replica included."""
+        counts: dict[tuple[int, str], int] = {}
+        for arrival in self._waiting.values():
+            key = (arrival.band, arrival.tenant)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def waiting_for(self) -> dict[str, int]:
         """Requests waiting for one replica in particular, per replica id."""
         counts: dict[str, int] = {}

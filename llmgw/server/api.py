@@ -30,6 +30,7 @@ from llmgw.core import jobs as core_jobs
 from llmgw.core.catalog import Profile
 from llmgw.core.keys import engine_key
 from llmgw.core.replica import Replica
+from llmgw.core.scaling import EngineLoad
 from llmgw.server import tokens
 from llmgw.server.catalog import Catalog, CatalogError, Entry, Invalid, NotFound, Refused, spec_options
 from llmgw.server.jobs import Adapter, JobError, JobManager
@@ -95,6 +96,8 @@ async def serve_admin(
     queued: Callable[[str], int] | None = None,
     queue_depths: Callable[[], Mapping[str, Mapping[int, int]]] | None = None,
     traffic: TrafficTotals | None = None,
+    engine_load: Callable[[str], EngineLoad | None] | None = None,
+    workers: Callable[[], list[dict]] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -120,6 +123,8 @@ async def serve_admin(
             queued=queued,
             queue_depths=queue_depths,
             traffic=traffic,
+            engine_load=engine_load,
+            workers=workers,
         )
         nursery.start_soon(app.status_pages.sample_forever)
         binds = await nursery.start(serve, app, config)
@@ -139,6 +144,8 @@ def make_app(
     queued: Callable[[str], int] | None = None,  # requests waiting at the gateway, per model
     queue_depths: Callable[[], Mapping[str, Mapping[int, int]]] | None = None,  # per model, band
     traffic: TrafficTotals | None = None,  # the gateway's requests, errors, SLO violations
+    engine_load: Callable[[str], EngineLoad | None] | None = None,  # a replica's, from its /metrics
+    workers: Callable[[], list[dict]] | None = None,  # the gateway workers, as JSON
 ) -> QuartTrio:
     app = QuartTrio(__name__)
     # The status pages read this API's JSON; the overview counts the same records' fields.
@@ -173,6 +180,10 @@ def make_app(
     @app.get("/healthz")
     async def healthz() -> Response:
         return jsonify(status="ok", version=__version__)
+
+    @app.get("/admin/v1/workers")
+    async def list_workers() -> Response:
+        return jsonify(workers=workers() if workers is not None else [])
 
     @app.get("/admin/v1/nodes")
     async def list_nodes() -> Response:
@@ -211,14 +222,14 @@ def make_app(
     @app.get("/admin/v1/replicas")
     async def list_replicas() -> Response:
         records = replicas.list() if replicas is not None else []
-        return jsonify(replicas=[replica_json(record, registry, replicas) for record in records])
+        return jsonify(replicas=[replica_json(record, registry, replicas, engine_load) for record in records])
 
     @app.get("/admin/v1/replicas/<replica_id>")
     async def show_replica(replica_id: str) -> Response:
         record = replicas.get(replica_id) if replicas is not None else None
         if record is None:
             return _error(404, "not_found", f'replica "{replica_id}" not found')
-        return jsonify(replica_json(record, registry, replicas))
+        return jsonify(replica_json(record, registry, replicas, engine_load))
 
     @app.get("/admin/v1/replicas/<replica_id>/engine-key")
     async def replica_engine_key(replica_id: str) -> Response:
@@ -651,9 +662,15 @@ def _catalog_error(e: CatalogError, outcome: str) -> Response:
     return response
 
 
-def replica_json(record: Replica, registry: NodeRegistry, replicas: ReplicaManager) -> dict:
-    """A replica record, plus where its engine answers (rank 0's node address and port) and,
-    while Pending, every node's reason for not taking it."""
+def replica_json(
+    record: Replica,
+    registry: NodeRegistry,
+    replicas: ReplicaManager,
+    engine_load: Callable[[str], EngineLoad | None] | None = None,
+) -> dict:
+    """A replica record, plus where its engine answers (rank 0's node address and port), its
+    engine's last scraped load (None until it answers), and while Pending every node's reason
+    for not taking it."""
     data = converter.unstructure(record)
     data["candidates"] = [{"node": node, "reason": why} for node, why in replicas.candidates(record.id)]
     endpoint = None
@@ -663,6 +680,8 @@ def replica_json(record: Replica, registry: NodeRegistry, replicas: ReplicaManag
         if node is not None:
             endpoint = f"{node.inventory.mgmt_address or '127.0.0.1'}:{leader.port}"
     data["endpoint"] = endpoint
+    load = engine_load(record.id) if engine_load is not None else None
+    data["load"] = None if load is None else attrs.asdict(load)
     return data
 
 

@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -67,6 +67,18 @@ class RouteSource(Protocol):
     def routes(self, model: str) -> Routes | None: ...
 
 
+class QuotaCounter(Protocol):
+    """core.quota.QuotaBook, or a worker's core.leases.WorkerLeases: reserve, then settle."""
+
+    def reserve(
+        self, quotas: Mapping[Hashable, Limits], estimate_tokens: int, now: float
+    ) -> Reservation | Refused: ...
+
+    def settle(self, reservation: Reservation, actual_tokens: int) -> None: ...
+
+    def release(self, reservation: Reservation) -> None: ...
+
+
 class GateObserver(Protocol):
     """gateway.metrics.GatewayMetrics, as the gate tells it of its choices."""
 
@@ -107,6 +119,7 @@ class ControlPlaneGate:
         on_waiting: Callable[[str], None] | None = None,
         observer: GateObserver | None = None,
         salt: Callable[[], int] | None = None,
+        quotas: QuotaCounter | None = None,
     ) -> None:
         self._keys = keys
         self._router = router
@@ -116,7 +129,8 @@ class ControlPlaneGate:
         self._on_waiting = on_waiting
         self.observer = observer
         self._salt = salt or _random_salt  # the least-loaded policy's tie-break
-        self._quotas = QuotaBook()
+        # The whole quotas (one process), or a gateway worker's leased shares of them.
+        self._quotas: QuotaCounter = quotas if quotas is not None else QuotaBook()
         self._lanes: dict[str, _Lane] = {}
         self._ids = itertools.count()
         self._started: float | None = None  # when the scaler first asked (idle since then at most)
@@ -203,6 +217,14 @@ class ControlPlaneGate:
         """The model's requests waiting for one replica in particular, per replica id."""
         lane = self._lanes.get(model)
         return lane.admission.waiting_for() if lane is not None else {}
+
+    def waiting_by_tenant(self) -> dict[tuple[str, int, str], int]:
+        """Waiting requests per (model, band, tenant): a gateway worker's demand for slots."""
+        return {
+            (model, band, tenant): n
+            for model, lane in self._lanes.items()
+            for (band, tenant), n in lane.admission.waiting_by_tenant().items()
+        }
 
     def idle_for(self, model: str) -> float:
         """Seconds the model has had nothing in flight and nothing waiting (0 while it has)."""

@@ -195,6 +195,8 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     queue_depths=lambda: front.queue_depths(),
                     # Workers count their requests in their own processes, unreported here yet.
                     traffic=(lambda: traffic_totals(metrics.registry)) if pool is None else None,
+                    engine_load=lambda replica_id: scraper.load(replica_id),
+                    workers=pool.as_json if pool is not None else None,
                 ),
                 registry,
                 catalog,

@@ -23,13 +23,15 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import cattrs
 import trio
 
+from llmgw.core.leases import RENEW_INTERVAL, LeaseGrant, LeaseReport, WorkerLeases
+from llmgw.core.leases import Waiting as LeaseWaiting
 from llmgw.core.quota import Limits
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import serve_gateway
@@ -43,6 +45,7 @@ from llmgw.server.scrape import EngineSample
 from llmgw.server.tenants import KeyRecord, Tenant, key_id_of
 from llmgw.server.tokens import matches
 from llmgw.server.worker_link import (
+    LEASE_TICK,
     LINK_ERRORS,
     REPORT_INTERVAL,
     Keys,
@@ -66,6 +69,8 @@ class WorkerSpec:
     directory: str
     queue_timeout: float
     ttft_target: float
+    # Several workers: each admits against its leased shares of quotas and slots (core.leases).
+    leased: bool = False
 
     @property
     def dir(self) -> Path:
@@ -95,7 +100,14 @@ def _limits(pushed: PushedLimits | None) -> Limits | None:
 class PushedState:
     """What the control plane last pushed, as the gate, the relay and the metrics read it."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, slots: Callable[[str], int] | None = None, live: Callable[[], bool] | None = None
+    ) -> None:
+        # Several workers: a replica's slots for this one (its leased share), and whether its
+        # lease holds. None: a lone worker holds every slot, for as long as it runs.
+        self._slots_of = slots
+        self._live = live
+        self._pushed: Routes | None = None
         self._keys: dict[str, tuple[KeyRecord, bytes]] = {}
         self._tenants: dict[str, Tenant] = {}
         self._routes: dict[str, ModelRoutes] = {}
@@ -106,9 +118,11 @@ class PushedState:
         self.have_routes = False
 
     def fresh(self) -> bool:
-        """Ready to serve: it has had both halves of the state at least once. A worker whose
-        control plane has gone stays fresh: serving with the last state is the point."""
-        return self.have_keys and self.have_routes
+        """Ready to serve: it has had both halves of the state at least once (and a lease, when
+        it shares the quotas with other workers). A lone worker whose control plane has gone
+        stays fresh: serving with the last state is the point; one of several serves until its
+        lease runs out."""
+        return self.have_keys and self.have_routes and (self._live is None or self._live())
 
     # --- from the control plane ------------------------------------------------------------------
 
@@ -124,6 +138,14 @@ class PushedState:
         self.have_keys = True
 
     def take_routes(self, routes: Routes) -> None:
+        self._pushed = routes
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """The routes again, with each replica's slots as this worker holds them now."""
+        routes = self._pushed
+        if routes is None:
+            return
         built: dict[str, ModelRoutes] = {}
         samples: dict[str, EngineSample] = {}
         for model in routes.models:
@@ -135,7 +157,8 @@ class PushedState:
                     else EngineLoad(running=r.running, waiting=r.waiting, saturation=r.saturation)
                 )
                 upstream = Upstream(host=r.host, port=r.port, engine_key=r.engine_key, replica=r.replica)
-                replicas.append(Route(replica=r.replica, upstream=upstream, slots=r.slots, load=load))
+                slots = r.slots if self._slots_of is None else self._slots_of(r.replica)
+                replicas.append(Route(replica=r.replica, upstream=upstream, slots=slots, load=load))
                 if r.running is not None:
                     samples[r.replica] = EngineSample(model.model, "", r.running, r.waiting, r.saturation)
             built[model.model] = ModelRoutes(
@@ -186,7 +209,11 @@ class PushedState:
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.state = PushedState()
+        self.leases = leases = WorkerLeases(spec.id) if spec.leased else None
+        self.state = PushedState(
+            slots=None if leases is None else lambda replica: leases.slots(replica, trio.current_time()),
+            live=None if leases is None else lambda: leases.live(trio.current_time()),
+        )
         self.journal = JournalWriter(spec.dir, spec.id)
         self.requests = 0
         self._waiting_send, self._waiting_receive = trio.open_memory_channel[str](256)
@@ -196,6 +223,7 @@ class Worker:
             self.journal,
             queue_timeout=spec.queue_timeout,
             on_waiting=self._note_waiting,
+            quotas=self.leases,
         )
         self.metrics = GatewayMetrics(
             gate=self.gate,
@@ -263,6 +291,10 @@ class Worker:
                         elif isinstance(message, Routes):
                             self.state.take_routes(message)
                             self.gate.redispatch()
+                        elif isinstance(message, LeaseGrant) and self.leases is not None:
+                            self.leases.apply(message, trio.current_time())
+                            self.state.rebuild()  # slots may have moved
+                            self.gate.redispatch()
             except* LINK_ERRORS as group:
                 log.info("control plane link closed: %s", group.exceptions[0])
             except* Exception:
@@ -276,9 +308,29 @@ class Worker:
     async def _report(self, link: LineStream) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._forward_waiting, link)
+            next_report = next_lease = trio.current_time()
             while True:
-                await link.send(self._snapshot())
-                await trio.sleep(REPORT_INTERVAL)
+                now = trio.current_time()
+                if now >= next_report:
+                    await link.send(self._snapshot())
+                    next_report = now + REPORT_INTERVAL
+                if self.leases is not None and (now >= next_lease or self.leases.wants_report()):
+                    await link.send(self._lease_report(now))
+                    next_lease = now + RENEW_INTERVAL
+                    self.state.rebuild()  # a lease that ran out takes its slots with it
+                await trio.sleep(LEASE_TICK if self.leases is not None else REPORT_INTERVAL)
+
+    def _lease_report(self, now: float) -> LeaseReport:
+        assert self.leases is not None
+        in_flight: dict[str, int] = {}
+        for model in self.state.models():
+            for replica, n in self.gate.in_flight(model).items():
+                in_flight[replica] = in_flight.get(replica, 0) + n
+        waiting = [
+            LeaseWaiting(model=model, band=band, tenant=tenant, count=n)
+            for (model, band, tenant), n in sorted(self.gate.waiting_by_tenant().items())
+        ]
+        return self.leases.report(now, in_flight=in_flight, waiting=waiting)
 
     async def _forward_waiting(self, link: LineStream) -> None:
         async for model in self._waiting_receive:
@@ -290,6 +342,9 @@ class Worker:
             worker=self.spec.id,
             pid=os.getpid(),
             fresh=self.state.fresh(),
+            lease_left=None
+            if self.leases is None
+            else max(0.0, self.leases.expires_at - trio.current_time()),
             requests=self.requests,
             in_flight=tuple(
                 (model, replica, n) for model in models for replica, n in self.gate.in_flight(model).items()

@@ -26,11 +26,15 @@ import attrs
 import cattrs
 import trio
 
+from llmgw.core.leases import LeaseGrant, LeaseReport
+
 log = logging.getLogger(__name__)
 
 frozen = attrs.frozen(kw_only=True)
 
 REPORT_INTERVAL = 1.0
+# How often a leased worker looks whether it owes the control plane a lease report.
+LEASE_TICK = 0.1
 # A line past this is refused: a snapshot of thousands of replicas and keys stays far below it.
 MAX_LINE = 64 * 1024 * 1024
 
@@ -98,6 +102,7 @@ class Report:
     pid: int
     fresh: bool  # it has had keys and routes: it serves
     requests: int  # answered since the worker started
+    lease_left: float | None = None  # seconds its lease still holds; None for a lone worker
     in_flight: tuple[tuple[str, str, int], ...] = ()  # (model, replica, requests)
     queued: tuple[tuple[str, int, int], ...] = ()  # (model, band, requests)
     idle_for: tuple[tuple[str, float], ...] = ()  # (model, seconds with nothing in flight or queued)
@@ -108,8 +113,11 @@ class Waiting:
     model: str
 
 
-Message = Keys | Routes | Report | Waiting
-_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Keys, Routes, Report, Waiting)}
+# Leases (several workers): a worker's LeaseReport each RENEW_INTERVAL, the ledger's LeaseGrant back.
+Message = Keys | Routes | Report | Waiting | LeaseReport | LeaseGrant
+_TYPES: dict[str, type] = {
+    cls.__name__: cls for cls in (Keys, Routes, Report, Waiting, LeaseReport, LeaseGrant)
+}
 _converter = cattrs.Converter(forbid_extra_keys=False)
 
 

@@ -31,6 +31,9 @@ import cattrs
 import trio
 
 from llmgw.core.backoff import reconnect_delay
+from llmgw.core.leases import LeaseLedger, LeaseReport
+from llmgw.core.quota import Limits
+from llmgw.gateway.relay import UPSTREAM_TIMEOUT
 from llmgw.server.changes import Changes
 from llmgw.server.worker import WorkerSpec, process_start_time, spec_path
 from llmgw.server.worker_link import (
@@ -109,6 +112,9 @@ class WorkerPool:
         self.routes_changed = Changes()  # bumped by the server when its routes change
         self._workers: dict[str, _Worker] = {}
         self._reserved: socket.socket | None = None
+        # Several workers share each quota and each replica's slots by leases (core.leases).
+        self._ledger: LeaseLedger | None = None
+        self._subjects: set[tuple[str, str]] = set()  # those the ledger was given limits for
 
     # --- what the rest of the server reads --------------------------------------------------------
 
@@ -118,6 +124,29 @@ class WorkerPool:
 
     def workers(self) -> list[_Worker]:
         return [self._workers[name] for name in sorted(self._workers)]
+
+    def as_json(self) -> list[dict]:
+        """The workers as the admin API and ctl show them."""
+        now = trio.current_time()
+        out = []
+        for worker in self.workers():
+            report = worker.report
+            fresh = report is not None and now - worker.reported_at < REPORT_STALE
+            out.append(
+                {
+                    "id": worker.id,
+                    "pid": worker.pid or None,
+                    "adopted": worker.adopted,
+                    "connected": worker.connected,
+                    "serving": bool(fresh and report.fresh),
+                    "restarts": worker.restarts,
+                    "requests": report.requests if report else 0,
+                    "in_flight": sum(n for _, _, n in report.in_flight) if fresh else 0,
+                    "queued": sum(n for _, _, n in report.queued) if fresh else 0,
+                    "lease_left": report.lease_left if fresh else None,
+                }
+            )
+        return out
 
     def queue_depths(self) -> dict[str, dict[int, int]]:
         depths: dict[str, dict[int, int]] = {}
@@ -155,6 +184,10 @@ class WorkerPool:
         os.chmod(self._directory, 0o700)
         adopted = self._find_running()
         self._reserve_port()
+        if self._count > 1:
+            # A request may run as long as the relay waits for an engine: a worker cut off from
+            # the control plane holds its slots that long after its lease ends.
+            self._ledger = LeaseLedger(trio.current_time(), slot_drain=UPSTREAM_TIMEOUT, awaiting=adopted)
         try:
             async with trio.open_nursery() as nursery:
                 for index in range(self._count):
@@ -239,6 +272,8 @@ class WorkerPool:
             if worker.pid and process_start_time(worker.pid) is not None:
                 await trio.sleep(0.2)  # alive: the link alone dropped, connect again
                 continue
+            if self._ledger is not None:
+                self._ledger.gone(worker.id, trio.current_time())  # its requests died with it
             delay = reconnect_delay(
                 worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
             )
@@ -246,6 +281,26 @@ class WorkerPool:
             log.warning("gateway worker %s died: starting it again in %.1f s", worker.id, delay)
             worker.pid = 0
             await trio.sleep(delay)
+
+    def _keys_now(self) -> Keys:
+        keys = self._keys()
+        if self._ledger is not None:
+            subjects = {("tenant", t.name): t.limits for t in keys.tenants}
+            subjects |= {("key", k.id): k.limits for k in keys.keys}
+            for subject, limits in subjects.items():
+                self._ledger.set_limits(subject, None if limits is None else _limits(limits))
+            for gone in self._subjects - subjects.keys():
+                self._ledger.set_limits(gone, None)
+            self._subjects = set(subjects)
+        return keys
+
+    def _routes_now(self) -> Routes:
+        routes = self._routes()
+        if self._ledger is not None:
+            self._ledger.set_replicas(
+                {r.replica: (m.model, r.slots) for m in routes.models for r in m.replicas}
+            )
+        return routes
 
     async def _start(self, worker: _Worker) -> None:
         spec = WorkerSpec(
@@ -255,6 +310,7 @@ class WorkerPool:
             directory=str(self._directory),
             queue_timeout=self._queue_timeout,
             ttft_target=self._ttft_target,
+            leased=self._count > 1,
         )
         path = spec_path(self._directory, worker.id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -291,8 +347,8 @@ class WorkerPool:
         lost: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._push, link, self.keys_changed, self._keys)
-                nursery.start_soon(self._push, link, self.routes_changed, self._routes)
+                nursery.start_soon(self._push, link, worker, self.keys_changed, self._keys_now)
+                nursery.start_soon(self._push, link, worker, self.routes_changed, self._routes_now)
                 while True:
                     message = await link.receive()
                     if isinstance(message, Report):
@@ -302,6 +358,10 @@ class WorkerPool:
                             worker.serving.set()
                     elif isinstance(message, Waiting):
                         self._on_waiting(message.model)
+                    elif isinstance(message, LeaseReport) and self._ledger is not None:
+                        now = trio.current_time()
+                        self._ledger.receive(message, now)
+                        await link.send(self._ledger.grant(worker.id, now))
         except* LINK_ERRORS as group:
             lost = group.exceptions[0]
         finally:
@@ -309,14 +369,19 @@ class WorkerPool:
                 await link.aclose()
         raise LinkLost(str(lost))
 
-    @staticmethod
-    async def _push(link: LineStream, changes: Changes, build: Callable[[], Keys | Routes]) -> None:
+    async def _push(
+        self, link: LineStream, worker: _Worker, changes: Changes, build: Callable[[], Keys | Routes]
+    ) -> None:
         seen = -1
         while True:
             version = changes.version
             if version != seen:
                 seen = version
                 await link.send(build())
+                if self._ledger is not None:
+                    # New limits or replicas have shares now: the worker needs them before its
+                    # next report's answer, or it refuses what it could already admit.
+                    await link.send(self._ledger.grant(worker.id, trio.current_time()))
             await changes.wait_past(seen)
 
     async def _stop(self, worker: _Worker) -> None:
@@ -334,6 +399,10 @@ class WorkerPool:
             _signal(worker.pid, signal.SIGKILL)
         if worker.process is not None:
             await worker.process.wait()
+
+
+def _limits(pushed: PushedLimits) -> Limits:
+    return Limits(rpm=pushed.rpm, tpm=pushed.tpm, tpd=pushed.tpd)
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -119,3 +119,41 @@ def test_a_killed_worker_is_started_again_and_serves(real_parts, tmp_path):
         wait_until(serves, "the new worker to answer", deadline=60, proc=fleet.server.proc)
     finally:
         fleet.stop()
+
+
+def workers(fleet: Fleet) -> list[dict]:
+    return fleet.server.admin("GET", "/admin/v1/workers")["workers"]
+
+
+def test_two_workers_share_the_port_and_hold_one_quota_between_them(real_parts, tmp_path):
+    """Two workers on one port, each admitting against its leased share: a tenant's requests
+    per minute hold across both, and both take connections."""
+    name = "smollm2-cpu"
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)}, gateway={"workers": 2})
+    try:
+        fleet.start()
+        fleet.wait_ready(name, 1)
+        fleet.ctl_ok("tenant", "limits", "routing", "--rpm", "8")
+        wait_until(
+            lambda: len(workers(fleet)) == 2 and all(w["serving"] for w in workers(fleet)),
+            "both workers to serve",
+            deadline=60,
+        )
+        statuses = [chat(fleet, f"Request {n}: say hello.")[0] for n in range(16)]  # a connection each
+        answered = statuses.count(200)
+        assert set(statuses) <= {200, 429}, statuses
+        # Never more than the tenant's 8 a minute, whichever worker each connection reached; at
+        # least the first worker's share is used at once.
+        assert 1 <= answered <= 8, statuses
+
+        def reported() -> list[int] | None:
+            counts = [w["requests"] for w in workers(fleet)]
+            return counts if sum(counts) >= len(statuses) else None
+
+        served = wait_until(reported, "the workers to report their requests", deadline=30)
+        assert all(n > 0 for n in served), f"one worker took every connection: {served}"
+        assert all(w["lease_left"] is not None and w["lease_left"] > 0 for w in workers(fleet))
+        listing = fleet.ctl_ok("workers")
+        assert "w0" in listing and "w1" in listing and "serving" in listing
+    finally:
+        fleet.stop()
