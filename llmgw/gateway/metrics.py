@@ -218,3 +218,21 @@ class _LiveGauges:
 
 def _engine_family(what: str, help_text: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"llmgw_engine_{what}", f"{help_text}, by replica", labels=["replica", "model"])
+
+
+def traffic_totals(registry: Any) -> tuple[float, float, float]:
+    """Requests answered, those that failed (5xx or cut off), and TTFT SLO violations, summed
+    over models from a gateway's prometheus registry (GatewayMetrics.registry)."""
+    requests = errors = violations = 0.0
+    for family in registry.collect():
+        if family.name == "llmgw_requests":
+            for sample in family.samples:
+                if sample.name != "llmgw_requests_total":
+                    continue
+                requests += sample.value
+                status = sample.labels.get("status", "")
+                if not status.isdigit() or int(status) >= 500:
+                    errors += sample.value
+        elif family.name == "llmgw_ttft_slo_violations":
+            violations += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return requests, errors, violations

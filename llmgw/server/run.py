@@ -27,7 +27,7 @@ from llmgw.core.replica import Replica, ReplicaState
 from llmgw.core.restart_policy import RestartPolicy
 from llmgw.core.scaling import LoadSignals
 from llmgw.gateway import serve_gateway
-from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.server import tokens
 from llmgw.server.adapters import AdapterDelivery
 from llmgw.server.api import serve_admin
@@ -42,7 +42,6 @@ from llmgw.server.routing import ReplicaRouter
 from llmgw.server.scrape import EngineScraper
 from llmgw.server.store import Store, open_store, read_password
 from llmgw.server.tenants import Tenants
-from llmgw.server.ui import traffic_totals
 from llmgw.server.usage_book import UsageRecorder
 from llmgw.server.workers import WorkerPool, keys_message, routes_message
 
@@ -193,8 +192,10 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     jobs=jobs,
                     queued=lambda model: sum(front.queue_depths().get(model, {}).values()),
                     queue_depths=lambda: front.queue_depths(),
-                    # Workers count their requests in their own processes, unreported here yet.
-                    traffic=(lambda: traffic_totals(metrics.registry)) if pool is None else None,
+                    # With workers, the counters are theirs, as their last reports summed them.
+                    traffic=(lambda: traffic_totals(metrics.registry))
+                    if pool is None
+                    else pool.traffic_totals,
                     engine_load=lambda replica_id: scraper.load(replica_id),
                     workers=pool.as_json if pool is not None else None,
                 ),

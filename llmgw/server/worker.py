@@ -36,7 +36,7 @@ from llmgw.core.quota import Limits
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.contract import RequestRecord, Upstream
-from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.journal import JournalWriter
 from llmgw.server.routing import Route
@@ -342,6 +342,7 @@ class Worker:
             worker=self.spec.id,
             pid=os.getpid(),
             fresh=self.state.fresh(),
+            traffic=traffic_totals(self.metrics.registry),
             lease_left=None
             if self.leases is None
             else max(0.0, self.leases.expires_at - trio.current_time()),

@@ -103,6 +103,8 @@ class Report:
     fresh: bool  # it has had keys and routes: it serves
     requests: int  # answered since the worker started
     lease_left: float | None = None  # seconds its lease still holds; None for a lone worker
+    # Since the worker started: requests answered, those that failed, TTFT SLO violations.
+    traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)
     in_flight: tuple[tuple[str, str, int], ...] = ()  # (model, replica, requests)
     queued: tuple[tuple[str, int, int], ...] = ()  # (model, band, requests)
     idle_for: tuple[tuple[str, float], ...] = ()  # (model, seconds with nothing in flight or queued)

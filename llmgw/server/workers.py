@@ -148,6 +148,11 @@ class WorkerPool:
             )
         return out
 
+    def traffic_totals(self) -> tuple[float, float, float]:
+        """The workers' gateway counters, summed (each as of its last report)."""
+        reports = [w.report for w in self._workers.values() if w.report is not None]
+        return tuple(sum(r.traffic[i] for r in reports) for i in range(3))  # type: ignore[return-value]
+
     def queue_depths(self) -> dict[str, dict[int, int]]:
         depths: dict[str, dict[int, int]] = {}
         for report in self._fresh_reports():

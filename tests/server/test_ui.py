@@ -13,7 +13,7 @@ from quart_trio import QuartTrio
 from llmgw.core.liveness import Liveness
 from llmgw.core.sessions import SESSION_LIFETIME, session_digest
 from llmgw.gateway import RequestRecord
-from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.server import tokens
 from llmgw.server.api import make_app
 from llmgw.server.catalog import Catalog
@@ -29,7 +29,6 @@ from llmgw.server.ui import (
     READABLE,
     STATIC,
     StatusPages,
-    traffic_totals,
 )
 from llmgw.server.usage_book import UsageRecorder
 from llmgw.wire.messages import Register

@@ -19,7 +19,6 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from importlib import resources
-from typing import Any
 
 import trio
 from quart import Response, jsonify, redirect, request
@@ -343,21 +342,3 @@ def replica_summary(record: Replica) -> dict:
         "created": record.created,
         "reason": record.reason,
     }
-
-
-def traffic_totals(registry: Any) -> tuple[float, float, float]:
-    """Requests answered, those that failed (5xx or cut off), and TTFT SLO violations, summed
-    over models from the gateway's prometheus registry (gateway.metrics)."""
-    requests = errors = violations = 0.0
-    for family in registry.collect():
-        if family.name == "llmgw_requests":
-            for sample in family.samples:
-                if sample.name != "llmgw_requests_total":
-                    continue
-                requests += sample.value
-                status = sample.labels.get("status", "")
-                if not status.isdigit() or int(status) >= 500:
-                    errors += sample.value
-        elif family.name == "llmgw_ttft_slo_violations":
-            violations += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return requests, errors, violations
