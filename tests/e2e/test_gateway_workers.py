@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.e2e.test_routing_processes import Fleet, alive, chat, profile
-from tests.procs import wait_until
+from tests.procs import Server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -157,3 +157,23 @@ def test_two_workers_share_the_port_and_hold_one_quota_between_them(real_parts, 
         assert "w0" in listing and "w1" in listing and "serving" in listing
     finally:
         fleet.stop()
+
+
+@pytest.mark.parametrize("stop_on_exit", [True, False])
+def test_a_graceful_stop_stops_the_workers_only_when_told_to(tmp_path, stop_on_exit):
+    """gateway.stop_workers_on_exit: true, they stop with the server; false (the default), they
+    serve through the stop and the next server adopts them, same pid."""
+    server = Server(tmp_path, gateway={"stop_workers_on_exit": stop_on_exit}).start()
+    state = json.loads((server.data_dir / "workers" / "w0.state.json").read_text())
+    assert alive(state["pid"], state["start_time"])
+    server.proc.stop()
+    if stop_on_exit:
+        wait_until(lambda: not alive(state["pid"], state["start_time"]), "the worker to stop", deadline=30)
+        return
+    assert alive(state["pid"], state["start_time"]), "the worker stopped with the server"
+    server.start()
+    try:
+        listing = json.loads(server.ctl("workers", "--json").stdout)["workers"]
+        assert [(w["id"], w["pid"], w["adopted"]) for w in listing] == [("w0", state["pid"], True)]
+    finally:
+        server.proc.stop()
