@@ -303,7 +303,7 @@ def test_status_pages_in_a_real_browser(tmp_path: Path, parts) -> None:
         page.loaded("replicas")
         page.wait(
             lambda: any(
-                r[1] == "smol-wide" and f"{NODE}: " in r[8] and "core" in r[8] for r in page.rows("replicas")
+                r[1] == "smol-wide" and f"{NODE}: " in r[9] and "core" in r[9] for r in page.rows("replicas")
             ),
             "the Pending replica's reason on the node",
         )
@@ -343,6 +343,8 @@ def test_status_pages_in_a_real_browser(tmp_path: Path, parts) -> None:
         page.open("/ui/replicas")
         page.loaded("replicas")
         assert [r[1] for r in page.rows("replicas")] == ["smol-wide"]
+        # The engine's load, as the server last scraped it from llama-server's /metrics.
+        page.wait(lambda: page.rows("replicas")[0][6].endswith("% full"), "the replica's engine load")
         page.shoot("replicas")
         page.open("/ui/models")
         page.loaded("models")

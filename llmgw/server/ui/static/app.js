@@ -228,14 +228,17 @@ const pages = {
 function replicaTable(replicas, profiles) {
   const adapters = {};
   for (const p of profiles) adapters[p.name] = (p.adapters || []).map((a) => a.name || a).join(", ");
-  const headers = ["Replica", "Profile", "Model", "State", "On", "Endpoint", "Age", "Adapters", "Why"];
+  const headers = ["Replica", "Profile", "Model", "State", "On", "Endpoint", "Load", "Age", "Adapters", "Why"];
   return table(headers, replicas.map((r) => {
     // A Pending replica: every node's reason for not taking it.
     const why = r.candidates.length
       ? el("span", {}, r.reason, el("ul", { class: "reasons" }, ...r.candidates.map((c) => el("li", {}, el("b", { text: c.node }), ": " + c.reason))))
       : r.reason || "";
+    const load = r.load
+      ? r.load.running + " running, " + r.load.waiting + " waiting, " + Math.round(100 * r.load.saturation) + "% full"
+      : "—";
     return [r.id, r.profile, r.model, state(r.state), r.shards.map((s) => s.node).join(", ") || "—", r.endpoint,
-      age(r.created), adapters[r.profile] || "—", why];
+      load, age(r.created), adapters[r.profile] || "—", why];
   }), "replicas");
 }
 
