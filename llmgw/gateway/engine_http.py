@@ -21,6 +21,10 @@ from llmgw.gateway.rawio import RawSocket
 RECEIVE_SIZE = 64 * 1024
 # An engine's head is a few hundred bytes; one that never ends is broken, not slow.
 MAX_HEAD_BYTES = 64 * 1024
+# The answer's headers kept in ``headers``: the relay passes on the first two, and the framing
+# depends on the last two.
+KEPT_HEADERS = frozenset({b"content-type", b"content-length", b"transfer-encoding"})
+_KEPT_LENGTHS = frozenset(len(name) for name in KEPT_HEADERS)
 
 
 class EngineFailed(Exception):
@@ -40,7 +44,7 @@ class EngineConnection:
 
     def _next_message(self) -> None:
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []  # names lowercased
+        self.headers: list[tuple[bytes, bytes]] = []  # names lowercased; only KEPT_HEADERS
         self._body: list[bytes] = []
         self._head_done = False
         self._complete = False
@@ -50,7 +54,9 @@ class EngineConnection:
     # --- llhttp's callbacks, called from inside feed_data --------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        # Only those the relay reads: lowering every name an engine sends cost more than its parse.
+        if len(name) in _KEPT_LENGTHS and (lowered := name.lower()) in KEPT_HEADERS:
+            self.headers.append((lowered, value))
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()

@@ -89,6 +89,7 @@ async def serve_gateway(
             pump = StreamPump()
             await nursery.start(pump.run)
         relay = Relay(router, gate=gate, on_done=on_done, upstream_timeout=upstream_timeout, pump=pump)
+        await nursery.start(relay.watch)
         try:
             task_status.started(listeners[0].socket.getsockname()[1])
             await trio.serve_listeners(

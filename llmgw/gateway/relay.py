@@ -8,6 +8,11 @@ end; streams are passed on event by event (see :mod:`llmgw.gateway.usage_scan`),
 Where to: the gate's ticket carries the upstreams in the order chosen for the request (see
 :mod:`llmgw.core.routing`); without a gate, the router's order. The relay never reorders them.
 
+Silence: the engine has ``upstream_timeout`` to answer with a head, and may then stay silent that
+long between reads. One task (``Relay.watch``, which the listener runs) looks at every exchange in
+flight a few times per timeout and cancels those whose engine connection has received nothing
+since: a deadline of its own per request cost as much as a socket read.
+
 Retries, on the next upstream in that order: a failed connect, and a connection the engine
 dropped before a byte of answer (an engine dying, or one just started in a killed one's place):
 neither served anything. Once an answer has begun, the request is never sent again — the engine
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +45,8 @@ UPSTREAM_TIMEOUT = 600.0
 _UPSTREAM_FAILURES = (trio.BrokenResourceError, EngineFailed, OSError)
 # Request heads kept per (upstream, path); a bound, as upstreams change over the process's life.
 MAX_CACHED_HEADS = 1024
+# How often the silence watch looks, per upstream timeout: the precision of a cut.
+WATCHES_PER_TIMEOUT = 4
 
 
 class _NoAnswer(Exception):
@@ -55,6 +61,19 @@ class _NoAnswer(Exception):
 
 class RelayAborted(Exception):
     """The engine failed after the answer had begun: the client connection can only be cut."""
+
+
+class _Exchange:
+    """One request's time with its engines, as the silence watch sees it: the scope to cancel,
+    the connection it reads, and since when that has received nothing new."""
+
+    __slots__ = ("scope", "connection", "seen", "since")
+
+    def __init__(self, scope: trio.CancelScope, since: float) -> None:
+        self.scope = scope
+        self.connection: EngineConnection | None = None
+        self.seen = -1  # the connection's `received` at the last look
+        self.since = since
 
 
 class Relay:
@@ -76,6 +95,25 @@ class Relay:
         self.max_idle = max_idle
         self.pools: dict[tuple[str, int], UpstreamPool] = {}
         self._heads: dict[tuple[Upstream, str], bytes] = {}
+        self._exchanges: set[_Exchange] = set()
+
+    async def watch(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Cancels every exchange whose engine has been silent for `upstream_timeout`, until
+        cancelled. It looks WATCHES_PER_TIMEOUT times per timeout (at least once a second), so
+        a silent engine is cut between one timeout and that plus two looks."""
+        interval = min(1.0, self.upstream_timeout / WATCHES_PER_TIMEOUT)
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            now = trio.current_time()
+            for exchange in list(self._exchanges):
+                connection = exchange.connection
+                received = connection.received if connection is not None else -1
+                if received != exchange.seen:
+                    exchange.seen = received
+                    exchange.since = now
+                elif now - exchange.since >= self.upstream_timeout:
+                    exchange.scope.cancel()
 
     def models(self, authorization: str | None) -> Sequence[str]:
         """GET /v1/models: the served models this caller may use."""
@@ -140,14 +178,17 @@ class Relay:
             raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
         if not upstreams:
             raise GatewayError(503, f"No replica of '{model}' is ready", code="no_ready_replica")
-        # One scope for the whole exchange: the engine has this long to answer with a head, then
-        # may stay silent this long between reads (the deadline moves on as bytes come). A scope
-        # costs about as much as a read, so a request gets one, not one per step.
-        scope = trio.CancelScope(deadline=trio.current_time() + self.upstream_timeout)
-        with scope:
-            pool, connection = await self._send(upstreams, path, body, record)
-            record.status = connection.status
-            await self._relay_body(client, pool, connection, strip_usage, record, scope)
+        # One scope for the whole exchange, without a deadline: the watch cancels it (see watch).
+        scope = trio.CancelScope()
+        exchange = _Exchange(scope, record.started)
+        self._exchanges.add(exchange)
+        try:
+            with scope:
+                pool, connection = await self._send(upstreams, path, body, record, exchange)
+                record.status = connection.status
+                await self._relay_body(client, pool, connection, strip_usage, record)
+        finally:
+            self._exchanges.discard(exchange)
         if scope.cancelled_caught:
             if not record.status:
                 raise GatewayError(504, "The engine did not answer in time", code="upstream_timeout")
@@ -163,7 +204,12 @@ class Relay:
         return head
 
     async def _send(
-        self, upstreams: Sequence[Upstream], path: str, body: bytes, record: RequestRecord
+        self,
+        upstreams: Sequence[Upstream],
+        path: str,
+        body: bytes,
+        record: RequestRecord,
+        exchange: _Exchange | None = None,
     ) -> tuple[UpstreamPool, EngineConnection]:
         """Sends the request to the first upstream that takes it, and reads the answer's head.
         A failed connect, or a connection dropped before a byte of answer, moves on to the next:
@@ -178,6 +224,8 @@ class Relay:
             try:
                 connection = await pool.acquire()
                 record.upstream = upstream
+                if exchange is not None:
+                    exchange.connection = connection
                 try:
                     await _exchange(connection, request)
                 except _NoAnswer as dropped:
@@ -187,6 +235,8 @@ class Relay:
                     # does after a stream): it never read the request, so a fresh one may carry
                     # it — unless the engine is gone, and then the connect fails like any other.
                     connection = await pool.connect()
+                    if exchange is not None:
+                        exchange.connection = connection
                     await _exchange(connection, request)
             except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
                 log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
@@ -212,7 +262,6 @@ class Relay:
         connection: EngineConnection,
         strip_usage: bool,
         record: RequestRecord,
-        silence: trio.CancelScope,
     ) -> None:
         content_type = b"application/json"
         length = None
@@ -227,13 +276,10 @@ class Relay:
             headers.append((b"content-length", length))  # otherwise h11 sends it chunked
         client.start(record.status, headers)
         if events is not None and self.pump is not None:
-            await self._pump_stream(client, pool, connection, events, record, silence)
+            await self._pump_stream(client, pool, connection, events, record)
             return
         parts: list[bytes] = []
-        moved = trio.current_time()
-        # Moving a deadline costs; moving it once a second (or a quarter of a short timeout) is
-        # precise enough, and keeps a stream that is still talking from being cut.
-        step = min(1.0, self.upstream_timeout / 4)
+        whole = None  # a non-streaming answer that came in one read
         try:
             while True:
                 try:
@@ -242,11 +288,10 @@ class Relay:
                     raise RelayAborted(f"engine failed mid-answer: {error!r}") from error
                 if data is None:
                     break
-                now = trio.current_time()
-                if now - moved > step:
-                    moved = now
-                    silence.deadline = now + self.upstream_timeout
                 if events is None:
+                    if not parts and connection.complete:
+                        whole = data  # the usual case: it leaves with its end in one write, below
+                        break
                     parts.append(data)
                 else:
                     data = events.feed(data)
@@ -258,13 +303,18 @@ class Relay:
             await connection.aclose()
             raise
         await pool.release(connection)
-        if events is None:
+        if whole is not None:
+            record.usage = usage_in_body(whole)
+            await client.finish(whole)
+            record.first_byte = trio.current_time()
+        elif events is None:
             record.usage = usage_in_body(b"".join(parts))
+            await client.end()
         else:
             if rest := events.flush():
                 await client.send(rest)
             record.usage = events.usage
-        await client.end()
+            await client.end()
         record.completed = True
 
     async def _pump_stream(
@@ -274,15 +324,13 @@ class Relay:
         connection: EngineConnection,
         events: StreamUsage,
         record: RequestRecord,
-        silence: trio.CancelScope,
     ) -> None:
         """A streamed answer relayed by the pump, while this task watches for silence."""
         head = client.take_head_bytes()
         chunked = b"\r\ntransfer-encoding: chunked\r\n" in head.lower()
         stream = PumpedStream(connection, client.fileno(), events, head=head, chunked=chunked)
         # The stream keeps the time of its last read at no cost; this task wakes once per timeout
-        # at most to look at it, instead of moving a deadline as bytes come.
-        silence.deadline = math.inf
+        # at most to look at it (the silence watch would cut it too, a look or two later).
         try:
             try:
                 self.pump.attach(stream)

@@ -39,6 +39,10 @@ class Responder:
     async def end(self) -> None:
         await self._client.send(*self._take_head(), h11.EndOfMessage())
 
+    async def finish(self, data: bytes) -> None:
+        """The last body bytes and the end, in the write that may also carry the head."""
+        await self._client.send(*self._take_head(), h11.Data(data=data), h11.EndOfMessage())
+
     async def respond(self, status: int, body: bytes, *, close: bool = False, extra: Headers = ()) -> None:
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *extra]
         if close:

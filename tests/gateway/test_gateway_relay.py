@@ -357,6 +357,31 @@ async def test_a_stream_that_keeps_talking_outlives_the_silence_timeout(nursery,
     assert all(b'"content": "%d"' % i in body for i in range(8))
 
 
+async def test_a_non_streaming_answer_in_pieces_is_relayed_whole_with_its_usage(nursery):
+    """An answer that comes in two reads takes the path of bodies in parts, not the one-read one."""
+    second_half = trio.Event()
+
+    async def in_two_pieces(engine: H11Stream, body: dict) -> None:
+        data = json.dumps(ANSWER).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        await engine.send(h11.Response(status_code=200, headers=headers), h11.Data(data=data[:10]))
+        await second_half.wait()
+        await engine.send(h11.Data(data=data[10:]), h11.EndOfMessage())
+
+    engine = FakeEngine(in_two_pieces)
+    gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
+    client = await Client.open(gateway.port)
+    await client.send("POST", "/v1/chat/completions", json.dumps(chat()).encode())
+    assert (await client.head()).status_code == 200
+    first = await client.http.next_event()
+    assert first.data == json.dumps(ANSWER).encode()[:10]  # passed on before the rest came
+    second_half.set()
+    assert json.loads(first.data + await client.rest()) == ANSWER
+    record = await gateway.record()
+    assert (record.usage, record.completed) == (Usage(3, 5, 8), True)
+    await client.http.aclose()
+
+
 async def test_keep_alive_on_both_sides(nursery):
     engine = FakeEngine()
     gateway = await Gateway().start(nursery, {"m": [await engine.start(nursery)]})
