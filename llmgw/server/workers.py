@@ -35,7 +35,7 @@ from llmgw.core.leases import LeaseLedger, LeaseReport
 from llmgw.core.quota import Limits
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT
 from llmgw.server.changes import Changes
-from llmgw.server.worker import WorkerSpec, process_start_time, spec_path
+from llmgw.server.worker import WorkerSpec, load_spec, process_start_time, spec_path
 from llmgw.server.worker_link import (
     LINK_ERRORS,
     Keys,
@@ -80,6 +80,9 @@ class _Worker:
     restarts: int = 0
     process: trio.Process | None = None  # ours to reap when we started it
     serving: trio.Event = attrs.field(factory=trio.Event)  # set once it reported it serves
+    # Adopted, but started with settings this server would not give it (another port, its own
+    # share of quotas or all of them, another queue timeout): replaced before anything else.
+    outdated: bool = False
 
 
 class WorkerPool:
@@ -250,6 +253,11 @@ class WorkerPool:
                 log.info("gateway worker %s (pid %d) still serves: adopting it", worker_id, pid)
             else:
                 state_file.unlink(missing_ok=True)
+        for worker in found.values():
+            try:
+                worker.outdated = load_spec(spec_path(self._directory, worker.id)) != self._spec(worker.id)
+            except (OSError, ValueError):
+                worker.outdated = True
         return found
 
     def _reserve_port(self) -> None:
@@ -266,6 +274,12 @@ class WorkerPool:
 
     async def _keep(self, worker: _Worker) -> None:
         """Keeps one worker running and up to date, for the life of the server."""
+        if worker.outdated:
+            log.info(
+                "gateway worker %s (pid %d) runs with other settings: replacing it", worker.id, worker.pid
+            )
+            await self._stop(worker)
+            worker.pid, worker.adopted, worker.outdated = 0, False, False
         while True:
             if not worker.pid or process_start_time(worker.pid) is None:
                 await self._start(worker)
@@ -307,9 +321,9 @@ class WorkerPool:
             )
         return routes
 
-    async def _start(self, worker: _Worker) -> None:
-        spec = WorkerSpec(
-            id=worker.id,
+    def _spec(self, worker_id: str) -> WorkerSpec:
+        return WorkerSpec(
+            id=worker_id,
             host=self._host,
             port=self._port,
             directory=str(self._directory),
@@ -317,6 +331,9 @@ class WorkerPool:
             ttft_target=self._ttft_target,
             leased=self._count > 1,
         )
+
+    async def _start(self, worker: _Worker) -> None:
+        spec = self._spec(worker.id)
         path = spec_path(self._directory, worker.id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as file:

@@ -14,9 +14,10 @@ import threading
 import time
 
 import pytest
+import yaml
 
 from tests.e2e.test_routing_processes import Fleet, alive, chat, profile
-from tests.procs import Server, wait_until
+from tests.procs import Server, wait_until, write_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -175,5 +176,28 @@ def test_a_graceful_stop_stops_the_workers_only_when_told_to(tmp_path, stop_on_e
     try:
         listing = json.loads(server.ctl("workers", "--json").stdout)["workers"]
         assert [(w["id"], w["pid"], w["adopted"]) for w in listing] == [("w0", state["pid"], True)]
+    finally:
+        server.proc.stop()
+
+
+def test_a_worker_left_with_other_settings_is_replaced_not_adopted(tmp_path):
+    """A worker an earlier server started with another queue timeout (or share of the quotas)
+    would serve with those: the next server replaces it instead of adopting it."""
+    server = Server(tmp_path, gateway={"stop_workers_on_exit": False}).start()
+    before = json.loads((server.data_dir / "workers" / "w0.state.json").read_text())
+    server.proc.stop()
+    config = yaml.safe_load(server.config.read_text())
+    config["gateway"]["queue_timeout"] = "17s"
+    write_yaml(server.config, config)
+    server.start()
+    try:
+        listing = json.loads(server.ctl("workers", "--json").stdout)["workers"]
+        assert [w["adopted"] for w in listing] == [False]
+        assert listing[0]["pid"] != before["pid"]
+        wait_until(
+            lambda: not alive(before["pid"], before["start_time"]), "the old worker to stop", deadline=30
+        )
+        spec = json.loads((server.data_dir / "workers" / "w0.json").read_text())
+        assert spec["queue_timeout"] == 17.0
     finally:
         server.proc.stop()
