@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, validate
+from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, registry, validate
 from llmgw.core.flags import ENGINE_ARGV_PREFIX, argv_flags, help_flags
 from llmgw.core.shard import Adapter, Fabric, GpuRef, LaunchPlan, ShardSpec
 from tests.helpers import TESTS
@@ -558,3 +558,23 @@ def test_gpu_arithmetic_property(engine: str, nodes: int, gpus_per_node: int, tp
         pipeline_parallel=pp,
     )
     assert (validate(shard) == []) == (nodes * gpus_per_node == tp * pp)
+
+
+def test_llamacpp_loads_its_adapters_unapplied() -> None:
+    """With adapters, llama.cpp starts them at scale 0: a request for the base model gets the
+    base model, and only the gateway's per-request list applies one."""
+    (engine,) = plan_of("llamacpp-gpu-adapters").commands
+    assert engine.argv.count("--lora") == 2
+    assert "--lora-init-without-apply" in engine.argv
+    (cpu,) = plan_of("llamacpp-cpu").commands
+    assert "--lora-init-without-apply" not in cpu.argv  # no adapters, nothing to hold back
+
+
+def test_llamacpp_selects_one_adapter_and_zeroes_the_others() -> None:
+    select = registry.ENGINES["llamacpp"].select_adapter
+    assert select(("support-bot", "sql", "x"), "sql") == {
+        "lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}, {"id": 2, "scale": 0.0}]
+    }
+    # vLLM and SGLang serve each adapter under its own name: the request's model selects it.
+    assert registry.ENGINES["vllm"].select_adapter is None
+    assert registry.ENGINES["sglang"].select_adapter is None

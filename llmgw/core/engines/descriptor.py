@@ -7,7 +7,8 @@ fills one ``Engine`` in, and a new engine is one such module plus one line in th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -62,12 +63,19 @@ class Engine:
     runs_on_cpu: bool = False  # without GPUs (an empty gpus list)
     multi_node: bool = True  # a replica may span several nodes
     only_format: str | None = None  # the one model format it loads; None: any of the catalog's
+    # The EngineBinaries field a build the agent installs (a profile's engine_version) stands in
+    # for, as "llama_server"; None: the agent installs no builds of it.
+    installed_build: str | None = None
     # Adapters go on its command line as name=path, so an adapter's name cannot hold "=".
     adapters_as_name_eq_path: bool = True
     # The files of a stored adapter it loads (llmgw.core.training's names), and what it is given
     # of the node's copy: (copy's directory, its files) -> the path on its command line.
     adapter_files: tuple[str, ...]
     adapter_path: Callable[[str, tuple[FileDigest, ...]], str]
+    # (the adapters' names in the order it was started with them, the one a request names) ->
+    # the members the gateway sets in that request's body to select it. None: the request's
+    # `model` alone selects it, as vLLM and SGLang serve each adapter under its name.
+    select_adapter: Callable[[Sequence[str], str], Mapping[str, Any]] | None = None
     metrics: EngineMetrics  # its load, from /metrics: for routing, scaling and drains
     help: HelpCheck
 

@@ -5,6 +5,9 @@ Flags are those of llama-server build 11434's help.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from llmgw.core.engines import samples
 from llmgw.core.engines.common import LISTEN_ALL, EngineBinaries, device_env
 from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck
@@ -40,6 +43,10 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
         # Each --lora adds to the list. llama.cpp also splits a value at commas, which is why
         # validation refuses an adapter path holding one.
         builtins += ["--lora", adapter.path]
+    if spec.adapters:
+        # Loaded at scale 0: a request for the base model gets the base model, and one naming an
+        # adapter gets it through the per-request list the gateway adds (select_adapter).
+        builtins.append("--lora-init-without-apply")
     env = device_env(spec)
     if engine_key:
         # In the environment: a command line is readable by every user of the node.
@@ -82,6 +89,13 @@ def adapter_path(directory: str, files: tuple[FileDigest, ...]) -> str:
     return f"{directory}/{gguf}"
 
 
+def select_adapter(names: Sequence[str], name: str) -> dict[str, Any]:
+    """The request's `lora` list: ``name`` at scale 1, every other adapter the engine holds at 0.
+    An id is the adapter's place among the --lora flags; one left out of the list would keep the
+    engine's own scale, so every adapter is listed."""
+    return {"lora": [{"id": i, "scale": 1.0 if n == name else 0.0} for i, n in enumerate(names)]}
+
+
 _CHECK = {"model_path": "/models/check.gguf", "dtype": None, "quantization": None}
 _CHECK_ADAPTERS = (Adapter(name="a1", path="/adapters/a1.gguf"), Adapter(name="a2", path="/adapters/a2.gguf"))
 
@@ -93,10 +107,12 @@ ENGINE = Engine(
     runs_on_cpu=True,
     multi_node=False,
     only_format="gguf",
+    installed_build="llama_server",
     # --lora takes a path alone; the adapter's name is llmgw's.
     adapters_as_name_eq_path=False,
     adapter_files=(GGUF_FILE,),
     adapter_path=adapter_path,
+    select_adapter=select_adapter,
     # llama-server b11434 with --metrics has no KV gauge: saturation comes from its slots.
     metrics=EngineMetrics("llamacpp", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
     help=HelpCheck(
