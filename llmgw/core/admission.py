@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from typing import Protocol
 
 import attrs
@@ -247,6 +247,7 @@ class OfferedReplica(Protocol):
     replica: str
     slots: int
     load: EngineLoadView | None  # the engine's last scraped load; None when unknown
+    adapters: Container[str]  # the adapters it serves, by name
 
 
 class Offer(Protocol):
@@ -264,6 +265,9 @@ class Arrival:
     band: int
     deadline: float  # when the shell answers it with a timeout
     key: bytes | None = None  # the prefix policy's key; None for the others or without a prompt
+    # The adapter the request names; None for the base model. Only replicas that serve it are
+    # its candidates (routing.serving).
+    adapter: str | None = None
 
 
 @frozen
@@ -337,7 +341,7 @@ class AdmissionLane:
     def arrive(self, arrival: Arrival, offer: Offer | None, now: float, salt: Salt) -> Go | Queued | Rejected:
         if not self._waiting and offer is not None:
             # Nobody waits: if the request may go now, the queue would hand it the slot at once.
-            decision = self._decide(offer, arrival.key, salt)
+            decision = self._decide(offer, arrival.key, salt, adapter=arrival.adapter)
             if decision is not None and not decision.wait:
                 return self._go(arrival.id, decision)
         waiter = Waiter(
@@ -360,7 +364,8 @@ class AdmissionLane:
             return ()
         went = []
         for waiter_id in list(self.parked):
-            decision = self._decide(offer, self._waiting[waiter_id].key, salt, parked=waiter_id)
+            waiter = self._waiting[waiter_id]
+            decision = self._decide(offer, waiter.key, salt, parked=waiter_id, adapter=waiter.adapter)
             if decision is None:
                 continue  # no replica at all now: it keeps waiting where it was
             if decision.wait:
@@ -376,8 +381,14 @@ class AdmissionLane:
             if popped.waiter is None:
                 break
             waiter_id = popped.waiter.id
-            decision = self._decide(offer, self._waiting[waiter_id].key, salt, candidates=candidates)
-            if decision is None:  # cannot happen while a replica has room; kept waiting if so
+            arrival = self._waiting[waiter_id]
+            if arrival.adapter is not None:
+                decision = self._decide(offer, arrival.key, salt, adapter=arrival.adapter)
+            else:
+                decision = self._decide(offer, arrival.key, salt, candidates=candidates)
+            if decision is None:
+                # No replica serving its adapter has room (for the base model, this cannot
+                # happen while one has): it waits, decided again at each dispatch.
                 self.parked[waiter_id] = ""
             elif decision.wait:
                 self.parked[waiter_id] = decision.choice.order[0]
@@ -415,19 +426,25 @@ class AdmissionLane:
         salt: Salt,
         parked: Hashable | None = None,
         candidates: list[Candidate] | None = None,
+        adapter: str | None = None,
     ) -> Decision | None:
         """core.routing.decide for one request, with the lane's loads (``parked``: the waiter
-        being decided again, whose own wait is not counted; ``candidates``: already built)."""
+        being decided again, whose own wait is not counted; ``candidates``: already built;
+        ``adapter``: the one it names, which only some replicas may serve)."""
+        if candidates is None:
+            candidates = self._candidates(offer, leaving=parked, adapter=adapter)
         return decide(
             offer.policy,
-            candidates if candidates is not None else self._candidates(offer, leaving=parked),
+            candidates,
             key=key,
             salt=salt(),
             turn=self.turn,
             load_factor=offer.load_factor,
         )
 
-    def _candidates(self, offer: Offer, leaving: Hashable | None = None) -> list[Candidate]:
+    def _candidates(
+        self, offer: Offer, leaving: Hashable | None = None, adapter: str | None = None
+    ) -> list[Candidate]:
         in_flight = self.in_flight
         queued: dict[str, int] = {}
         for waiter_id, replica in self.parked.items():
@@ -444,4 +461,5 @@ class AdmissionLane:
                 saturation=route.load.saturation if route.load is not None else 0.0,
             )
             for route in offer.replicas
+            if adapter is None or adapter in route.adapters
         ]

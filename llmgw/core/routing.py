@@ -25,7 +25,12 @@ reports waiting requests or a KV cache at :data:`SATURATED` takes no more than i
 the gateway's own in-flight count moves per request: the engine's numbers are as of the last
 scrape, good for telling a full engine from a free one, too old to count requests by.
 
-Pure: no I/O, no clock, no randomness of its own. Adapters will join the prefix key.
+Adapters: a request that names an adapter has for candidates only the replicas that serve it
+(the admission lane leaves the others out), and its adapter's name starts its prefix key, so the
+same prompt for two adapters keys two places (two caches: the engine's KV for one adapter is not
+the other's).
+
+Pure: no I/O, no clock, no randomness of its own.
 """
 
 from __future__ import annotations
@@ -268,8 +273,11 @@ def _hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def prefix_key(payload: Mapping, chars: int = DEFAULT_PREFIX_CHARS) -> bytes | None:
-    """The key of a request's prompt: its first ``chars`` characters, as the engine sees them.
+def prefix_key(
+    payload: Mapping, chars: int = DEFAULT_PREFIX_CHARS, adapter: str | None = None
+) -> bytes | None:
+    """The key of a request's prompt: its first ``chars`` characters, as the engine sees them,
+    after the name of the ``adapter`` it names (if any).
 
     A chat's messages in order (role and text of each, images and the like left out); a
     completion's prompt (the first one of a list); None when there is no text to key on
@@ -295,7 +303,8 @@ def prefix_key(payload: Mapping, chars: int = DEFAULT_PREFIX_CHARS) -> bytes | N
             parts.append(prompt[:chars])
     if not parts:
         return None
-    return "".join(parts)[:chars].encode("utf-8", "surrogatepass")
+    key = "".join(parts)[:chars].encode("utf-8", "surrogatepass")
+    return key if adapter is None else adapter.encode() + b"\x00" + key
 
 
 def _text_of(content: object) -> str:

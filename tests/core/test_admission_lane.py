@@ -30,6 +30,7 @@ class Replica:
     replica: str
     slots: int = 1
     load: Load | None = None
+    adapters: frozenset[str] = frozenset()
 
 
 @attrs.frozen
@@ -140,6 +141,10 @@ def test_round_robin_turns_through_the_replicas():
     assert sorted(chosen[:3]) == ["r1", "r2", "r3"] and chosen[3:] == chosen[:3]
 
 
+# The machine's replicas that serve adapter "a" (r2 serves the base model only).
+SERVING_A = {"r1": frozenset({"a"}), "r3": frozenset({"a"})}
+
+
 class LaneMachine(RuleBasedStateMachine):
     """Requests arrive, finish and leave at random against replicas that come and go: no
     replica ever holds more than its slots, every request goes at most once, and one that has
@@ -154,10 +159,15 @@ class LaneMachine(RuleBasedStateMachine):
         self.waiting: set[int] = set()
         self.running: dict[int, str] = {}
         self.gone: set[int] = set()
+        self.adapter_of: dict[int, str | None] = {}
 
     def offer(self) -> Offer:
         return Offer(
-            policy=self.policy, replicas=tuple(Replica(replica=r, slots=s) for r, s in self.replicas.items())
+            policy=self.policy,
+            replicas=tuple(
+                Replica(replica=r, slots=s, adapters=SERVING_A.get(r, frozenset()))
+                for r, s in self.replicas.items()
+            ),
         )
 
     def took(self, went) -> None:
@@ -165,14 +175,26 @@ class LaneMachine(RuleBasedStateMachine):
             assert go.id in self.waiting, go  # only a waiting request goes, and only once
             self.waiting.discard(go.id)
             assert go.replica in self.replicas
+            adapter = self.adapter_of[go.id]
+            # A request for an adapter goes only where it is served, and is sent nowhere else.
+            assert adapter is None or all(adapter in SERVING_A.get(r, ()) for r in go.order), go
             self.running[go.id] = go.replica
 
-    @rule(tenant=st.sampled_from("ab"), band=st.integers(0, 1), key=st.sampled_from([None, b"x", b"y"]))
-    def arrive(self, tenant, band, key) -> None:
+    @rule(
+        tenant=st.sampled_from("ab"),
+        band=st.integers(0, 1),
+        key=st.sampled_from([None, b"x", b"y"]),
+        adapter=st.sampled_from([None, None, "a"]),
+    )
+    def arrive(self, tenant, band, key, adapter) -> None:
         id, self.next_id = self.next_id, self.next_id + 1
         self.waiting.add(id)
+        self.adapter_of[id] = adapter
         result = self.lane.arrive(
-            Arrival(id=id, tenant=tenant, band=band, deadline=math.inf, key=key), self.offer(), 0.0, salt
+            Arrival(id=id, tenant=tenant, band=band, deadline=math.inf, key=key, adapter=adapter),
+            self.offer(),
+            0.0,
+            salt,
         )
         if isinstance(result, Go):
             self.took([result])
@@ -215,8 +237,41 @@ class LaneMachine(RuleBasedStateMachine):
             return
         self.took(self.lane.dispatch(self.offer(), 0.0, salt))
         free = {r: s - self.lane.in_flight.get(r, 0) for r, s in self.replicas.items()}
-        assert not self.waiting or all(f <= 0 for f in free.values()), (free, self.waiting)
+        for id in self.waiting:
+            # What it waits for is full: any replica for the base, one serving its adapter else.
+            adapter = self.adapter_of[id]
+            usable = [f for r, f in free.items() if adapter is None or adapter in SERVING_A.get(r, ())]
+            assert all(f <= 0 for f in usable), (free, id, adapter)
 
 
 LaneMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestLane = LaneMachine.TestCase
+
+
+def test_a_request_for_an_adapter_goes_only_to_a_replica_serving_it_and_waits_for_one():
+    lane = AdmissionLane(10)
+    routes = Offer(
+        replicas=(
+            Replica(replica="base-only", slots=4),
+            Replica(replica="with-a", slots=1, adapters=frozenset("a")),
+        )
+    )
+    first = lane.arrive(Arrival(id=1, tenant="t", band=0, deadline=math.inf, adapter="a"), routes, 0.0, salt)
+    assert isinstance(first, Go) and first.order == ("with-a",)
+    # with-a is full: the next request for "a" waits, though base-only has room.
+    queued = lane.arrive(Arrival(id=2, tenant="t", band=0, deadline=math.inf, adapter="a"), routes, 0.0, salt)
+    assert queued == Queued(wake=())
+    # ... and a base request behind it is not held up by it.
+    behind = lane.arrive(arrival(3), routes, 0.0, salt)
+    assert isinstance(behind, Queued) and [(g.id, g.replica) for g in behind.wake] == [(3, "base-only")]
+    lane.release("with-a")
+    (went,) = lane.dispatch(routes, 0.0, salt)
+    assert (went.id, went.replica) == (2, "with-a")
+
+
+def test_an_adapter_no_replica_serves_waits_rather_than_going_to_the_base():
+    lane = AdmissionLane(10)
+    routes = offer("r1", "r2", slots=4)
+    queued = lane.arrive(Arrival(id=1, tenant="t", band=0, deadline=math.inf, adapter="x"), routes, 0.0, salt)
+    assert queued == Queued(wake=())
+    assert lane.dispatch(routes, 0.0, salt) == ()

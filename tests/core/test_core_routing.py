@@ -235,3 +235,11 @@ def test_the_key_is_the_start_of_the_prompt():
     assert prefix_key({"prompt": ["first prompt", "second"]}) == b"first prompt"
     for nothing in ({"input": "embed me"}, {"prompt": ""}, {"messages": []}, {"messages": "x"}):
         assert prefix_key(nothing) is None
+
+
+def test_an_adapter_starts_the_prefix_key_so_each_adapter_keys_its_own_cache():
+    payload = {"messages": [{"role": "user", "content": "hello"}]}
+    base = prefix_key(payload)
+    assert prefix_key(payload, adapter="sql") == b"sql\x00" + base
+    assert prefix_key(payload, adapter="sql") != prefix_key(payload, adapter="support")
+    assert prefix_key({"input": "no prompt"}, adapter="sql") is None  # nothing to key on
