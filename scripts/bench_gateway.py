@@ -676,8 +676,8 @@ def main() -> int:
     parser.add_argument(
         "--workers",
         type=int,
-        help="gateway.workers in server.yaml (gateway worker processes); unset: the server's default,"
-        " and the key is left out, for servers that do not know it",
+        help="gateway.workers in server.yaml: worker processes, 0 for the gateway in the server process;"
+        " unset: the server's default, and the key is left out, for servers that do not know it",
     )
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router, the yardstick")
     parser.add_argument(
@@ -698,8 +698,8 @@ def main() -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args()
-    if args.workers is not None and args.workers < 1:
-        parser.error(f"--workers: expected 1 or more, got {args.workers}")
+    if args.workers is not None and args.workers < 0:
+        parser.error(f"--workers: expected 0 (the gateway in the server process) or more, got {args.workers}")
     if any(c < 1 for c in args.connections):
         parser.error(f"--connections: expected numbers of 1 or more, got {args.connections}")
 
