@@ -8,6 +8,7 @@ thread at a time. The schema version is kept in ``PRAGMA user_version``.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def open_writer(data_dir: Path) -> apsw.Connection:
         # IMMEDIATE takes the write lock at BEGIN, so a read-then-write transaction
         # (ensure_secret, a migration) cannot fail halfway with SQLITE_BUSY.
         conn.transaction_mode = "IMMEDIATE"
-        mode = conn.pragma("journal_mode", "wal")
+        mode = _set_wal(conn)
         if mode != "wal":
             raise StoreError(f"{path}: SQLite refused WAL mode (journal_mode is {mode!r})")
         _migrate(conn, path)
@@ -112,6 +113,20 @@ def open_writer(data_dir: Path) -> apsw.Connection:
             raise StoreError(f"{path} is not a usable llmgw database: {e}") from e
         raise
     return conn
+
+
+def _set_wal(conn: apsw.Connection) -> str:
+    """journal_mode=WAL, waiting out another connection that holds the file: changing the
+    journal mode can answer SQLITE_BUSY at once, without the busy handler's wait (two servers
+    opening one new database file together)."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            return conn.pragma("journal_mode", "wal")
+        except apsw.BusyError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _prepare_files(data_dir: Path, path: Path) -> None:
