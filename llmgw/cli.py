@@ -150,12 +150,17 @@ def _serve(role: str, load, run, config_path: Path | None, failures: dict[type, 
     except ConfigError as exc:
         return _fail(role, exc, EXIT_CONFIG)
     _setup_logging(config.log_level)
+    from llmgw import tracing
+
+    tracing.setup(config.tracing, role)  # after logging: its ids go into the handlers' lines
     failures = {**failures, OSError: EXIT_CONFIG}  # a port taken, a directory not writable
     try:
         return _run_role(run, config)
     except tuple(failures) as exc:
         code = next(code for kind, code in failures.items() if isinstance(exc, kind))
         return _fail(role, exc, code)
+    finally:
+        tracing.shutdown()  # sends the spans still waiting
 
 
 def _cmd_inventory(args: argparse.Namespace) -> int:

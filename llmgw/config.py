@@ -220,6 +220,38 @@ class AdminConfig:
     token_file: Path | None = None
 
 
+TRACING_PROTOCOLS = ("http/protobuf", "grpc")
+# A fraction from 0 to 1 (the share of traces a ratio keeps).
+Ratio = Annotated[float, "a number from 0 to 1"]
+# Names to strings (HTTP headers, resource attributes).
+StringMap = Annotated[dict[str, str], "a mapping of names to strings"]
+
+
+def _protocol(_instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value not in TRACING_PROTOCOLS:
+        raise _BadValue(f"expected one of {', '.join(TRACING_PROTOCOLS)}, got {_show(value)}", key=attribute.name)
+
+
+@attrs.frozen(kw_only=True)
+class TracingConfig:
+    """OpenTelemetry traces (llmgw.tracing): the same block in server.yaml and agent.yaml."""
+
+    # The OTLP collector's URL (http://collector:4318 for http/protobuf, :4317 for grpc); a URL
+    # without a path gets /v1/traces under http/protobuf. None: tracing is off.
+    endpoint: str | None = attrs.field(default=None, validator=lambda i, a, v: _http_url(i, a, v))
+    protocol: str = attrs.field(default="http/protobuf", validator=_protocol)
+    # Sent with every export (a collector's API key, say): never logged, never shown.
+    headers: StringMap = attrs.field(factory=dict, repr=False, hash=False)
+    # The share of traces kept by their trace id (the same choice in every process of a trace).
+    sample_ratio: Ratio = 1.0
+    # Traces that end in an error, or whose root took longer than this, are kept whatever the ratio.
+    keep_slower_than: Duration = 5.0
+    # None: llmgw-server or llmgw-agent.
+    service_name: str | None = None
+    # Added to every span's resource (deployment.environment, ...).
+    resource_attributes: StringMap = attrs.field(factory=dict, hash=False)
+
+
 # Catalog sections: in a file, a mapping from each entry's name to its options; in Python, the
 # entries in the file's order, each carrying its name.
 CatalogModels = Annotated[tuple[Model, ...], "a mapping of model names to their options"]
@@ -334,6 +366,7 @@ class ServerConfig:
     admin: AdminConfig = attrs.field(factory=AdminConfig)
     gateway: GatewayConfig = attrs.field(factory=GatewayConfig)
     reconcile: ReconcileSection = attrs.field(factory=ReconcileSection)
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
     # Catalog entries owned by this file: written into the store at every start, replacing what
     # an earlier server.yaml declared; the admin API cannot change or remove them.
     models: CatalogModels = ()
@@ -464,6 +497,7 @@ class AgentConfig:
     engines: EnginesConfig = attrs.field(factory=EnginesConfig)
     discovery: DiscoveryConfig = attrs.field(factory=DiscoveryConfig)
     weights: WeightsConfig = attrs.field(factory=WeightsConfig)
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
 
     @property
     def weights_dir(self) -> Path:
@@ -606,6 +640,24 @@ def _structure_compute_capability(value: Any, _type: Any) -> str:
     return text
 
 
+def _structure_ratio(value: Any, _type: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise _BadValue(f"expected a number from 0 to 1, got {_show(value)}")
+    return float(value)
+
+
+def _structure_string_map(value: Any, _type: Any) -> dict[str, str]:
+    # The values are not echoed: a header may be a collector's API key.
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _BadValue(f"expected a mapping of names to strings, got {_show(type(value).__name__)}")
+    for name, item in value.items():
+        if not isinstance(name, str) or not name or not isinstance(item, str):
+            raise _BadValue(f"expected a string for every name, not for {_show(name)}")
+    return dict(value)
+
+
 def _structure_node_name(value: Any, _type: Any) -> str:
     if not isinstance(value, str) or not NODE_NAME.fullmatch(value):
         raise _BadValue(f"expected {_NODE_NAME_RULE}, got {_show(value)}")
@@ -714,6 +766,8 @@ def _make_converter() -> cattrs.Converter:
         (LogLevel, _structure_log_level),
         (NodeName, _structure_node_name),
         (ComputeCapability, _structure_compute_capability),
+        (Ratio, _structure_ratio),
+        (StringMap, _structure_string_map),
         (CatalogModels, _catalog_hook(conv, Model, "models")),
         (CatalogProfiles, _catalog_hook(conv, Profile, "profiles")),
     ]:

@@ -575,7 +575,7 @@ def test_bad_node_name(value: str, got: str) -> None:
         ),
         (
             "datadir: /x\n",
-            "server.yaml: datadir: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, models, profiles)",
+            "server.yaml: datadir: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, models, profiles)",
         ),
         (
             "link:\n  heartbeat: 5s\n",
@@ -588,7 +588,7 @@ def test_bad_node_name(value: str, got: str) -> None:
         ),
         (
             "1: x\n",
-            "server.yaml: 1: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, models, profiles)",
+            "server.yaml: 1: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, models, profiles)",
         ),
     ],
 )
@@ -601,7 +601,7 @@ def test_server_unknown_key(text: str, message: str) -> None:
     [
         (
             "name: gpu1\n",
-            "agent.yaml: name: unknown key (expected one of: node_name, work_dir, log_level, fabric, server, reconnect, engines, discovery, weights)",
+            "agent.yaml: name: unknown key (expected one of: node_name, work_dir, log_level, fabric, server, reconnect, engines, discovery, weights, tracing)",
         ),
         (
             "server:\n  adress: h:1\n",
@@ -658,7 +658,7 @@ def test_server_options_do_not_belong_in_agent_yaml() -> None:
         ),
         (
             "zz: 1\nyy: 2\n",
-            "server.yaml: zz: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, models, profiles)",
+            "server.yaml: zz: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, models, profiles)",
         ),
     ],
 )

@@ -33,6 +33,7 @@ SOLE_IMPORTERS = {
     "torch": {"agent/train_child.py"},
     "peft": {"agent/train_child.py"},
     "transformers": {"agent/train_child.py"},
+    "opentelemetry": {"tracing.py"},
 }
 
 
