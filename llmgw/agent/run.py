@@ -21,6 +21,7 @@ from llmgw.agent.adapters import AdapterCache
 from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.agent.discovery.simulated import NvmlOff, read_simulated
+from llmgw.agent.installs import EngineInstalls
 from llmgw.agent.link import AgentLink
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.trainer import Trainer
@@ -219,6 +220,11 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
             mirror=config.weights.mirror,
             max_idle=config.weights.max_idle,
             run_as=config.engines.run_as,
+        ),
+        installs=EngineInstalls(
+            config.engines_dir,
+            llamacpp_url=config.engines.llamacpp_url,
+            variant=config.engines.llamacpp_variant,
         ),
     )
     trainer = make_trainer(config, supervisor, lambda: link)

@@ -31,6 +31,7 @@ import trio
 from llmgw.agent import runas, shard_state
 from llmgw.agent.adapters import AdapterCache, NotDelivered
 from llmgw.agent.discovery.nvml import gpu_memory_by_pid
+from llmgw.agent.installs import EngineInstalls, InstallFailed
 from llmgw.agent.processes import (
     KILL_WAIT,
     OutputFollower,
@@ -141,10 +142,13 @@ class Supervisor:
         also_ours: Callable[[], frozenset[int]] | None = None,
         adapters: AdapterCache | None = None,
         weights: WeightsCache | None = None,
+        installs: EngineInstalls | None = None,
     ) -> None:
         self._work_dir = work_dir
         # Weights the shards' models name by URL or hub reference, fetched before the engine starts.
         self.weights = weights or WeightsCache(work_dir / "weights", work_dir=work_dir, run_as=run_as)
+        # Engine builds profiles name (engine_version), installed before the engine starts.
+        self.installs = installs or EngineInstalls(work_dir / "engines")
         # Where the stored adapters a shard names were delivered (by the link).
         self._adapters = adapters or AdapterCache(work_dir, run_as)
         # Pids that are ours though no shard describes them (training children); blocking.
@@ -201,7 +205,13 @@ class Supervisor:
             # Fetched weights: the engine is given the cache's copy, which _launch fetches first.
             if self.weights.key(spec) is not None:
                 launched = attrs.evolve(launched, model_path=str(self.weights.local_path(spec)))
-            plan = build_plan(launched, engine_key=engine_key, binaries=self._binaries)
+            binaries = self._binaries
+            if self.installs.wanted(spec):
+                binaries = attrs.evolve(binaries, llama_server=str(self.installs.llama_server(spec)))
+            plan = build_plan(launched, engine_key=engine_key, binaries=binaries)
+        except InstallFailed as exc:
+            self._emit(spec, ShardState.FAILED, reason=str(exc))
+            return False, str(exc)
         except WeightsError as exc:
             self._emit(spec, ShardState.FAILED, reason=f"weights: {exc}")
             return False, f"weights: {exc}"
@@ -408,6 +418,13 @@ class Supervisor:
     async def _launch(self, shard: _Shard, plan: LaunchPlan, nursery: trio.Nursery) -> None:
         # Before the state file: an agent that dies while fetching leaves no shard to adopt, only
         # a partial download, which the shard's next start resumes.
+        if self.installs.wanted(shard.spec):
+            try:
+                await self.installs.ensure(shard.spec, lambda text: self._report(shard, reason=text))
+            except InstallFailed as exc:
+                self._end(shard, ShardState.FAILED, str(exc))
+                return
+            self._report(shard)
         if self.weights.key(shard.spec) is not None:
             try:
                 await self.weights.fetch(shard.spec, lambda text: self._report(shard, reason=text))

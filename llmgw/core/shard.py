@@ -73,6 +73,8 @@ class ShardSpec:
     # fetches them into its cache and checks them against it (llmgw.core.weights).
     model_sha256: str | None = None
     engine: str  # a name in llmgw.core.engines.ENGINES
+    # The profile's engine build, installed by the agent first; None: the node's own engine.
+    engine_version: str | None = None
     launcher: str = "mp"  # one of the engine's launchers (llmgw.core.engines)
     gpus: tuple[GpuRef, ...] = ()  # this node's GPUs for the shard; empty = CPU
     tensor_parallel: int = 1

