@@ -66,9 +66,6 @@ class Engine:
     # The EngineBinaries field a build the agent installs (a profile's engine_version) stands in
     # for, as "llama_server"; None: the agent installs no builds of it.
     installed_build: str | None = None
-    # The EngineBinaries field a build the agent installs (a profile's engine_version) stands in
-    # for, as "llama_server"; None: the agent installs no builds of it.
-    installed_build: str | None = None
     # Adapters go on its command line as name=path, so an adapter's name cannot hold "=".
     adapters_as_name_eq_path: bool = True
     # The files of a stored adapter it loads (llmgw.core.training's names), and what it is given

@@ -108,7 +108,6 @@ ENGINE = Engine(
     multi_node=False,
     only_format="gguf",
     installed_build="llama_server",
-    installed_build="llama_server",
     # --lora takes a path alone; the adapter's name is llmgw's.
     adapters_as_name_eq_path=False,
     adapter_files=(GGUF_FILE,),
