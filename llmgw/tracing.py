@@ -299,14 +299,23 @@ def _parent_context(parent: Any) -> Any:
 
 
 def start(
-    name: str, attributes: Mapping[str, Any] | None = None, *, parent: Any = None, kind: str = "internal"
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    parent: Any = None,
+    kind: str = "internal",
+    start_time: float | None = None,
 ) -> Any:
     """A span that outlives the block that began it (a shard's start, until it is ready); end it
-    with :func:`end`. NO_SPAN when off."""
+    with :func:`end`. ``start_time``: wall-clock seconds it began, when that was earlier. NO_SPAN
+    when off."""
     tracer = _state.tracer
     if tracer is None:
         return NO_SPAN
-    return tracer.start_span(name, context=_parent_context(parent), kind=_KINDS[kind], attributes=attributes)
+    began = None if start_time is None else int(start_time * 1e9)
+    return tracer.start_span(
+        name, context=_parent_context(parent), kind=_KINDS[kind], attributes=attributes, start_time=began
+    )
 
 
 def span(
@@ -329,6 +338,11 @@ def end(a_span: Any, error: str | None = None, end_time: float | None = None) ->
     if error is not None:
         fail(a_span, error)
     a_span.end(None if end_time is None else int(end_time * 1e9))
+
+
+def current() -> Any:
+    """The current span (NO_SPAN when there is none, or tracing is off)."""
+    return trace.get_current_span() if _state.tracer is not None else NO_SPAN
 
 
 def fail(a_span: Any, why: str) -> None:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import trio
 
-from llmgw import __version__
+from llmgw import __version__, tracing
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.liveness import Liveness
 from llmgw.core.shard import ShardSpec
@@ -362,6 +362,25 @@ class AgentLink:
             return await self._execute_adapter(command)
         if self._shards is None:
             return CommandResult(reply_to=command.id, ok=False, message="this agent runs no shards")
+        # The server's trace goes on here (the command's W3C context); the supervisor's spans
+        # for the shard's start (launch, leader wait, readiness) are children of this one.
+        name = {
+            StartShard: "agent.start_shard",
+            StopShard: "agent.stop_shard",
+            DrainShard: "agent.drain_shard",
+        }
+        shard_id = command.spec.shard_id if isinstance(command, StartShard) else command.shard_id
+        attributes = {"llmgw.node": self.node, "llmgw.shard": shard_id}
+        with tracing.span(
+            name[type(command)], attributes, parent=command.trace or None, kind="server"
+        ) as span:
+            result = await self._execute_shard(command)
+            if not result.ok:
+                tracing.fail(span, result.message)
+        return result
+
+    async def _execute_shard(self, command: StartShard | StopShard | DrainShard) -> CommandResult:
+        assert self._shards is not None
         match command:
             case StartShard(spec=spec, engine_key=key):
                 log.info("start shard %s (replica %s, %s)", spec.shard_id, spec.replica_id, spec.engine)

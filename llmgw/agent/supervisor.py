@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import trio
 
+from llmgw import tracing
 from llmgw.agent import runas, shard_state
 from llmgw.agent.adapters import AdapterCache, NotDelivered
 from llmgw.agent.discovery.nvml import gpu_memory_by_pid
@@ -98,6 +99,8 @@ class _Shard:
     followers: list[OutputFollower] = attrs.field(factory=list)
     launched: trio.Event = attrs.field(factory=trio.Event)  # every command runs
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    # From the start command until Ready or the end (the server's trace, continued); NO_SPAN off.
+    span: Any = tracing.NO_SPAN
     ended: tuple[ShardState, str] | None = None  # (Stopped or Failed, reason), set once
     grace: float = FAILED_GRACE  # for what is left at the end; a stop sets its own
     done: trio.Event = attrs.field(factory=trio.Event)  # torn down and forgotten
@@ -230,6 +233,10 @@ class Supervisor:
             adopted=False,
         )
         self._shards[spec.shard_id] = shard
+        shard.span = tracing.start(
+            "shard.until_ready",
+            {"llmgw.replica": spec.replica_id, "llmgw.shard": spec.shard_id, "llmgw.model": spec.model},
+        )
         log.info("starting shard %s of replica %s (%s)", spec.shard_id, spec.replica_id, spec.model)
         self._report(shard)
         self._spawner().start_soon(self._run_shard, shard, plan)
@@ -401,7 +408,7 @@ class Supervisor:
 
     async def _run_shard(self, shard: _Shard, plan: LaunchPlan | None) -> None:
         """Runs a shard until it ends, then tears it down; ``plan`` is None for an adopted one."""
-        with shard.scope:
+        with shard.scope, tracing.use(shard.span):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._become_ready, shard)
                 if plan is None:
@@ -443,7 +450,7 @@ class Supervisor:
             return
         environment = base_environment(user)
         for command in plan.commands:
-            if command.waits_for_leader and not await self._leader_listens(shard.spec):
+            if command.waits_for_leader and not await self._leader_listens_traced(shard.spec):
                 address = f"{shard.spec.leader_address}:{shard.spec.rendezvous_port}"
                 self._end(
                     shard,
@@ -454,9 +461,10 @@ class Supervisor:
                 return
             output = shard.directory / f"{command.name}.out"
             try:
-                process = await spawn(
-                    command.argv, env={**environment, **command.env}, user=user, output=output
-                )
+                with tracing.span("engine.launch", {"llmgw.process": command.name}):
+                    process = await spawn(
+                        command.argv, env={**environment, **command.env}, user=user, output=output
+                    )
             except OSError as exc:
                 self._end(shard, ShardState.FAILED, f"cannot start {command.name} ({command.argv[0]}): {exc}")
                 return
@@ -485,6 +493,10 @@ class Supervisor:
             self._user_note_logged = True
         runas.prepare_home(user)
         return user
+
+    async def _leader_listens_traced(self, spec: ShardSpec) -> bool:
+        with tracing.span("leader.wait", {"llmgw.leader": f"{spec.leader_address}:{spec.rendezvous_port}"}):
+            return await self._leader_listens(spec)
 
     async def _leader_listens(self, spec: ShardSpec) -> bool:
         with trio.move_on_after(self._leader_wait):
@@ -516,10 +528,14 @@ class Supervisor:
     async def _become_ready(self, shard: _Shard) -> None:
         await shard.launched.wait()
         if shard.health_port is not None:
-            await self._until_serving(shard)
+            with tracing.span("readiness", {"llmgw.port": shard.health_port}):
+                await self._until_serving(shard)
         # A rank without HTTP is judged by staying alive: the replica's real readiness is its
         # leader answering, which happens only once every rank has joined.
         self._advance(shard, ShardState.READY)
+        if shard.ended is None:
+            tracing.end(shard.span)
+            shard.span = tracing.NO_SPAN
         if shard.compute is None:
             await self._learn_compute(shard)
 
@@ -602,6 +618,8 @@ class Supervisor:
         if shard.ended is None:
             shard.ended = (state, reason)
             shard.scope.cancel()
+            tracing.end(shard.span, error=reason if state == ShardState.FAILED else None)
+            shard.span = tracing.NO_SPAN
 
     async def _teardown(self, shard: _Shard) -> None:
         assert shard.ended is not None

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 import trio
 
+from llmgw import tracing
 from llmgw.core.catalog import AdapterUnavailable, Profile, StoredAdapter, with_stored_files
 from llmgw.core.events import EventLog
 from llmgw.core.keys import engine_key
@@ -165,7 +166,10 @@ class ReplicaManager:
             self._kick.set()
 
     def run_pass(self) -> None:
-        """One reconcile pass, synchronous; the commands it needs go out in background tasks."""
+        """One reconcile pass, synchronous; the commands it needs go out in background tasks.
+        A pass that does something is a trace (each action a span beneath it; a start goes on in
+        the shard's task and, through the command, on the node)."""
+        began = time.time()
         now = self._clock()
         self._observe(now)
         plan = reconcile(
@@ -184,8 +188,15 @@ class ReplicaManager:
         self._ended.update(self._records.keys() - records.keys())
         self._records = records
         self._candidates = {rid: why for rid, why in self._candidates.items() if rid in self._records}
-        for action in plan.actions:
-            self._carry_out(action, now)
+        pass_span = tracing.NO_SPAN
+        if plan.actions and tracing.enabled():
+            pass_span = tracing.start(
+                "reconcile.pass", {"llmgw.actions": len(plan.actions)}, start_time=began
+            )
+        with tracing.use(pass_span):
+            for action in plan.actions:
+                self._carry_out(action, now)
+        tracing.end(pass_span)
         if self._on_pass is not None:
             self._on_pass()
 
@@ -264,6 +275,18 @@ class ReplicaManager:
     # --- carrying out --------------------------------------------------------------------------
 
     def _carry_out(self, action: Action, now: float) -> None:
+        if not tracing.enabled():
+            self._carry_out_now(action, now)
+            return
+        with tracing.span(f"reconcile.{type(action).__name__}", _action_attributes(action)) as span:
+            if isinstance(action, MarkPending):
+                # Where it could not go: every candidate node with its reason.
+                for node, why in action.reasons:
+                    span.add_event("candidate refused", {"llmgw.node": node, "llmgw.reason": why})
+                tracing.fail(span, action.reason)
+            self._carry_out_now(action, now)
+
+    def _carry_out_now(self, action: Action, now: float) -> None:
         log.info("%s: %s", _describe(action), action.reason)
         self.events.record(now, type(action).__name__, _describe(action).partition(" ")[2], action.reason)
         assert self._nursery is not None
@@ -291,13 +314,25 @@ class ReplicaManager:
             self._send_stop(ref, StopShard(id=0, shard_id=ref.shard_id))
 
     async def _start_shard(self, node: str, spec: ShardSpec) -> None:
+        attributes = {
+            "llmgw.replica": spec.replica_id,
+            "llmgw.shard": spec.shard_id,
+            "llmgw.node": node,
+            "llmgw.model": spec.model,
+        }
+        with tracing.span("replica.start_shard", attributes, kind="client"):
+            await self._start_shard_traced(node, spec)
+
+    async def _start_shard_traced(self, node: str, spec: ShardSpec) -> None:
         try:
-            spec = await self._deliver_adapters(node, spec)
+            with tracing.span("adapter.delivery"):
+                spec = await self._deliver_adapters(node, spec)
         except (AdapterUnavailable, DeliveryFailed) as exc:
             self._shard_failed(spec.replica_id, spec.shard_id, f"cannot start on {node}: {exc}")
             self._kick.set()
             return
-        command = StartShard(id=0, spec=spec, engine_key=self.key_of(spec.replica_id))
+        # The trace goes on on the node (W3C trace context; {} when tracing is off).
+        command = StartShard(id=0, trace=tracing.inject(), spec=spec, engine_key=self.key_of(spec.replica_id))
         registrations = self._registry.get(node).registrations if self._registry.get(node) else 0
         try:
             with trio.fail_after(START_ANSWER_TIMEOUT):
@@ -365,6 +400,7 @@ class ReplicaManager:
 
     def _shard_failed(self, replica_id: str, shard_id: str, reason: str) -> None:
         log.warning("replica %s: shard %s: %s", replica_id, shard_id, reason)
+        tracing.fail(tracing.current(), reason)
         self._set_shard_state(shard_id, ShardState.FAILED, reason)
 
     def _set_shard_state(self, shard_id: str, state: str, reason: str) -> None:
@@ -375,6 +411,25 @@ class ReplicaManager:
             )
             if shards != record.shards:
                 self._records[record.id] = attrs.evolve(record, shards=shards)
+
+
+def _action_attributes(action: Action) -> dict[str, str]:
+    """What an operator searches a reconcile span by: never a key (actions carry none)."""
+    found = {"llmgw.reason": action.reason}
+    for field, name in [
+        ("replica_id", "llmgw.replica"),
+        ("victim_replica_id", "llmgw.replica"),
+        ("profile", "llmgw.profile"),
+        ("node", "llmgw.node"),
+        ("shard_id", "llmgw.shard"),
+    ]:
+        value = getattr(action, field, None)
+        if isinstance(value, str) and value:
+            found[name] = value
+    placement = getattr(action, "placement", None)
+    if placement is not None:
+        found["llmgw.nodes"] = ",".join(where.node for where in placement.shards)
+    return found
 
 
 def _describe(action: Action) -> str:
