@@ -86,7 +86,7 @@ class GatewayMetrics:
             ["model"], registry=self.registry,
         )  # fmt: skip
         self._ttft = Histogram(
-            "llmgw_time_to_first_token_seconds", "Time from request to the answer's first bytes, by model",
+            "llmgw_time_to_first_token_seconds", "Time from request to a stream's first token, by model",
             ["model"], buckets=DURATION_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self._slo_violations = Counter(
@@ -147,7 +147,9 @@ class GatewayMetrics:
             completion.inc(record.usage.completion_tokens)
         if status in (502, 504) or record.upstream is not None and status >= 500:
             upstream_errors.inc()
-        if record.first_byte is not None:
+        # Streams only: a non-streaming answer's first byte is its last, and counting it as a
+        # first token made every long plain request an SLO violation.
+        if record.stream and record.first_byte is not None:
             waited = record.first_byte - record.started
             ttft.observe(waited)
             own = self._ttft_targets(model) if self._ttft_targets is not None else None

@@ -322,7 +322,7 @@ def test_time_to_first_token_is_observed_and_slow_ones_count_as_slo_violations()
     metrics = GatewayMetrics(ttft_target=1.0)
     for first_byte in (0.2, 0.9, 1.5, 3.0, None):  # None: refused before any byte went out
         record = RequestRecord(
-            path="/v1/chat/completions", started=10.0, model="m", status=200, completed=True
+            path="/v1/chat/completions", started=10.0, model="m", stream=True, status=200, completed=True
         )
         record.first_byte = None if first_byte is None else 10.0 + first_byte
         record.finished = 14.0
@@ -336,10 +336,24 @@ def test_a_models_own_ttft_target_wins_over_the_gateways():
     metrics = GatewayMetrics(ttft_target=10.0, ttft_targets=lambda model: 0.5 if model == "strict" else None)
     for model in ("strict", "lax"):
         record = RequestRecord(
-            path="/v1/chat/completions", started=0.0, model=model, status=200, completed=True
+            path="/v1/chat/completions", started=0.0, model=model, stream=True, status=200, completed=True
         )
         record.first_byte, record.finished = 1.0, 2.0
         metrics.on_done(record)
     text = metrics.exposition().decode()
     assert 'llmgw_ttft_slo_violations_total{model="strict"} 1.0' in text
     assert 'llmgw_ttft_slo_violations_total{model="lax"} 0.0' in text
+
+
+def test_a_non_streaming_answer_is_no_first_token_and_no_slo_violation():
+    """Its first byte is its last: a 30 s plain answer is not a 30 s time to first token."""
+    metrics = GatewayMetrics(ttft_target=1.0)
+    for stream in (False, True):
+        record = RequestRecord(
+            path="/v1/chat/completions", started=0.0, model="m", stream=stream, status=200, completed=True
+        )
+        record.first_byte, record.finished = 30.0, 30.0
+        metrics.on_done(record)
+    text = metrics.exposition().decode()
+    assert 'llmgw_ttft_slo_violations_total{model="m"} 1.0' in text  # the stream's alone
+    assert 'llmgw_time_to_first_token_seconds_count{model="m"} 1.0' in text
