@@ -1,4 +1,4 @@
-"""``llmgw ctl usage``: the usage account summarised, requests and tokens by tenant, model, day."""
+"""``llmgw ctl usage``: the usage account summarised, requests and tokens by tenant, model, adapter, day."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def add_parsers(commands, client: ClientFactory) -> None:
         "--by",
         default="tenant,model,day",
         metavar="GROUPS",
-        help="comma-separated, of tenant, model, day (UTC); empty for one total (default: tenant,model,day)",
+        help="comma-separated, of tenant, model, adapter, day (UTC); empty for one total "
+        "(default: tenant,model,day)",
     )
     usage.add_argument(
         "--since", metavar="DATE", help="from this date or time (UTC unless it says), inclusive"

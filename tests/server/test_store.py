@@ -488,3 +488,18 @@ async def test_committed_write_survives_kill_9(data_dir: Path):
         await store.aclose()
     assert found is not None
     assert found.state == "online"
+
+
+async def test_usage_carries_the_adapter_a_request_named_and_sums_by_it(store):
+    await store.add_usage(
+        [
+            UsageRecord(1.0, "acme", "k-1", "m", "r", 10, 5, 1.0, 200, "sql"),
+            UsageRecord(2.0, "acme", "k-1", "m", "r", 1, 2, 1.0, 200, "sql"),
+            UsageRecord(3.0, "acme", "k-1", "m", "r", 3, 0, 1.0, 200),  # the base model
+        ]
+    )
+    rows = await store.summarise_usage(["model", "adapter"], None, None)
+    assert [(r["model"], r["adapter"], r["requests"], r["total_tokens"]) for r in rows] == [
+        ("m", "", 1, 3),
+        ("m", "sql", 2, 18),
+    ]

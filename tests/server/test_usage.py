@@ -213,7 +213,7 @@ def test_parse_group_by():
     assert parse_group_by("tenant, model,day") == ["tenant", "model", "day"]
     assert parse_group_by("") == []
     with pytest.raises(
-        ValueError, match=r"^by: cannot group by replica \(expected a list of: tenant, model, day\)"
+        ValueError, match=r"^by: cannot group by replica \(expected a list of: tenant, model, adapter, day\)"
     ):
         parse_group_by("tenant,replica")
     with pytest.raises(ValueError, match="^by: each of"):

@@ -63,7 +63,7 @@ def _upsert(table: str, cls: type, key: tuple[str, ...]) -> str:
 _SAVE_NODE = _upsert("nodes", NodeRow, ("name",))
 _SAVE_CATALOG = _upsert("catalog", CatalogRow, ("kind", "name"))
 _SAVE_JOB = _upsert("jobs", JobRow, ("id",))
-_ADD_USAGE = f"INSERT INTO usage ({_cols(UsageRecord)}) VALUES ({_marks(9)})"
+_ADD_USAGE = f"INSERT INTO usage ({_cols(UsageRecord)}) VALUES ({_marks(len(attrs.fields(UsageRecord)))})"
 
 # A day as 'YYYY-MM-DD', UTC.
 _DAY = {
@@ -239,7 +239,7 @@ def summarise_usage(tx: Tx, group_by: Sequence[str], since: float | None, until:
     unknown = [name for name in group_by if name not in USAGE_GROUPS]
     if unknown:
         raise ValueError(f"cannot group usage by {', '.join(unknown)}")
-    expressions = {"tenant": "tenant", "model": "model", "day": _DAY[tx.dialect]}
+    expressions = {"tenant": "tenant", "model": "model", "adapter": "adapter", "day": _DAY[tx.dialect]}
     groups = [expressions[name] for name in group_by]
     totals = [
         "count(*)",

@@ -66,6 +66,9 @@ class UsageRecord:
     completion_tokens: int
     latency_ms: float
     status: int  # the HTTP status the client was given
+    # The adapter the request named ('' for the base model); ``model`` is then its base. Last,
+    # with a default: journal lines written before it existed still read.
+    adapter: str = ""
 
 
 @attrs.frozen
@@ -96,7 +99,7 @@ class JournalOffset:
 
 
 # What usage can be summarised by. The SQL for each is the backend's (days are UTC).
-USAGE_GROUPS = ("tenant", "model", "day")
+USAGE_GROUPS = ("tenant", "model", "adapter", "day")
 
 
 @attrs.frozen

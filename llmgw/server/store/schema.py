@@ -136,6 +136,13 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ){strict};
         """,
     ),
+    (
+        6,
+        """
+        -- The adapter a request named ('' for its base model, which the model column names).
+        ALTER TABLE usage ADD COLUMN adapter TEXT NOT NULL DEFAULT '';
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
