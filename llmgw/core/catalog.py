@@ -334,3 +334,27 @@ def _gpu_reasons(profile: Profile) -> list[tuple[str, str]]:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def adapter_name_problems(profiles: Mapping[str, Profile], models: Mapping[str, Model]) -> list[str]:
+    """Why the adapters of ``profiles`` cannot each be asked for by name among ``models`` (empty
+    when they can): a client's `model` names a model or an adapter, so an adapter's name may not
+    be a model's, nor name adapters of two different base models."""
+    problems = []
+    parents: dict[str, tuple[str, str]] = {}  # adapter name -> (its base model, the profile)
+    for profile in sorted(profiles.values(), key=lambda p: p.name):
+        for index, adapter in enumerate(profile.adapters):
+            where = f"profiles.{profile.name}.adapters[{index}].name"
+            if adapter.name in models:
+                problems.append(
+                    f"{where}: adapter {adapter.name!r} of model {profile.model!r} has the name of "
+                    f"model {adapter.name!r}; clients ask for both by name, so rename one"
+                )
+                continue
+            first = parents.setdefault(adapter.name, (profile.model, profile.name))
+            if first[0] != profile.model:
+                problems.append(
+                    f"{where}: adapter {adapter.name!r} of model {profile.model!r} has the name of an "
+                    f"adapter of model {first[0]!r} (profile {first[1]!r}); rename one"
+                )
+    return problems

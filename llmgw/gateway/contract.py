@@ -32,13 +32,20 @@ class Upstream:
     port: int
     engine_key: str = attrs.field(repr=False)  # a secret: kept out of logs
     replica: str = ""  # the replica's id, for metrics; empty where upstreams are not replicas
+    # A JSON object whose members the relay sets in the request's body before sending it here
+    # (llama.cpp's per-request adapter list); empty: the body goes as the client sent it.
+    body_members: bytes = b""
 
 
 class Router(Protocol):
     """What the relay asks about models; the control plane implements it from its replica table."""
 
     def models(self) -> Sequence[str]:
-        """The model names served, for GET /v1/models."""
+        """The model names served, for GET /v1/models: base models and adapters."""
+        ...
+
+    def parent(self, name: str) -> str | None:
+        """The base model of adapter ``name``; None when ``name`` is not an adapter."""
         ...
 
     def ready_upstreams(self, model: str) -> Sequence[Upstream] | None:
@@ -58,6 +65,9 @@ class StaticRouter:
 
     def models(self) -> Sequence[str]:
         return list(self.routes)
+
+    def parent(self, name: str) -> str | None:
+        return None
 
     def ready_upstreams(self, model: str) -> Sequence[Upstream] | None:
         return self.routes.get(model)

@@ -265,6 +265,10 @@ def _header(request: h11.Request, name: bytes) -> str | None:
     return None
 
 
-def _models_body(models: Sequence[str]) -> bytes:
-    data = [{"id": name, "object": "model", "owned_by": "llmgw"} for name in models]
+def _models_body(models: Sequence[tuple[str, str | None]]) -> bytes:
+    # An adapter names its base model in `parent`, as vLLM lists its own adapters.
+    data = [
+        {"id": name, "object": "model", "owned_by": "llmgw", **({"parent": parent} if parent else {})}
+        for name, parent in models
+    ]
     return json.dumps({"object": "list", "data": data}).encode()

@@ -115,12 +115,13 @@ class Relay:
                 elif now - exchange.since >= self.upstream_timeout:
                     exchange.scope.cancel()
 
-    def models(self, authorization: str | None) -> Sequence[str]:
-        """GET /v1/models: the served models this caller may use."""
+    def models(self, authorization: str | None) -> list[tuple[str, str | None]]:
+        """GET /v1/models: the served models this caller may use, each with its base model when
+        it is an adapter (None when it is not)."""
         served = self.router.models()
-        if self.gate is None:
-            return served
-        return self.gate.models(self.gate.authenticate(authorization), served)
+        if self.gate is not None:
+            served = self.gate.models(self.gate.authenticate(authorization), served)
+        return [(name, self.router.parent(name)) for name in served]
 
     async def forward(
         self, client: Responder, path: str, body: bytes, authorization: str | None = None
@@ -220,7 +221,8 @@ class Relay:
             pool = self.pools.get(key)
             if pool is None:
                 pool = self.pools[key] = UpstreamPool(upstream.host, upstream.port, max_idle=self.max_idle)
-            request = request_bytes(self._head(upstream, path), body)
+            sent = _with_members(body, upstream.body_members) if upstream.body_members else body
+            request = request_bytes(self._head(upstream, path), sent)
             try:
                 connection = await pool.acquire()
                 record.upstream = upstream
@@ -388,6 +390,12 @@ def _usage_requested(body: bytes) -> bytes:
     start = body.index(b"{") + 1  # only whitespace (or a BOM) may come before it
     with memoryview(body) as view:
         return b"".join((view[:start], _INCLUDE_USAGE, b",", view[start:]))
+
+
+def _with_members(body: bytes, members: bytes) -> bytes:
+    """``body`` (a JSON object) with ``members`` (a JSON object's) set in it, replacing the
+    client's own of those names: only the gateway chooses what it selects for the engine."""
+    return json.dumps({**json.loads(body), **json.loads(members)}, separators=(",", ":")).encode()
 
 
 def _json_object(body: bytes) -> dict:

@@ -38,6 +38,7 @@ from llmgw.core.catalog import (
     Model,
     Profile,
     StoredAdapter,
+    adapter_name_problems,
     name_problem,
     stored_adapter_problems,
     validate_model,
@@ -281,6 +282,11 @@ class Catalog:
         for name, entry in self._profiles.items():
             if name not in applied and entry.spec.model in replaced:
                 problems += validate_profile(entry.spec, after)
+        # Adapters are asked for by name among the models: checked over the catalog as it
+        # would be, so a model declared after an adapter of its name is refused too.
+        profiles_after = {name: entry.spec for name, entry in self._profiles.items()}
+        profiles_after.update((profile.name, profile) for profile in profiles)
+        problems += adapter_name_problems(profiles_after, after)
         return problems
 
     def _warn_about_unfit_profiles(self) -> None:

@@ -66,6 +66,8 @@ class RouteSource(Protocol):
 
     def routes(self, model: str) -> Routes | None: ...
 
+    def parent(self, name: str) -> str | None: ...  # an adapter's base model
+
 
 class QuotaCounter(Protocol):
     """core.quota.QuotaBook, or a worker's core.leases.WorkerLeases: reserve, then settle."""
@@ -90,9 +92,10 @@ class GateObserver(Protocol):
 @attrs.define(eq=False)
 class Ticket:
     key: CallerKey
-    model: str
+    model: str  # the base model: its lane, routes and replicas
     reservation: Reservation
     wall_started: float
+    adapter: str | None = None  # the adapter the request named, if it named one
     replica: str = ""  # the replica charged with the request's slot
     upstreams: tuple[Upstream, ...] = ()  # where to send it, best first
 
@@ -105,6 +108,7 @@ class _Lane:
     # Per waiting request: its wake-up, and where it goes once let through.
     woken: dict[int, trio.Event] = attrs.field(factory=dict)
     chosen: dict[int, tuple[str, tuple[Upstream, ...]]] = attrs.field(factory=dict)
+    adapter_of: dict[int, str] = attrs.field(factory=dict)  # waiting requests that name one
     last_busy: float = -math.inf  # when it last had a request in flight or waiting (trio time)
 
 
@@ -150,8 +154,13 @@ class ControlPlaneGate:
         return [m for m in served if not caller.models or m in caller.models]
 
     async def admit(self, caller: CallerKey, model: str, payload: dict, body_size: int) -> Ticket:
+        # A key's models are names as clients send them: a key may be limited to an adapter,
+        # and one allowed the base model is not thereby allowed its adapters.
         if caller.models and model not in caller.models:
             raise GatewayError(403, f"This API key may not use the model '{model}'", code="model_not_allowed")
+        parent = self._router.parent(model)
+        adapter = model if parent is not None else None
+        model = parent if parent is not None else model
         now = trio.current_time()
         tenant = self._keys.tenant(caller.tenant)
         quotas = {("tenant", caller.tenant): (tenant.limits if tenant is not None else None) or Limits()}
@@ -166,9 +175,11 @@ class ControlPlaneGate:
                 code="rate_limit_exceeded",
                 retry_after=reserved.retry_after,
             )
-        ticket = Ticket(key=caller, model=model, reservation=reserved, wall_started=time.time())
+        ticket = Ticket(
+            key=caller, model=model, reservation=reserved, wall_started=time.time(), adapter=adapter
+        )
         try:
-            ticket.replica, ticket.upstreams = await self._wait_for_room(caller, model, payload, now)
+            ticket.replica, ticket.upstreams = await self._wait_for_room(caller, model, payload, now, adapter)
         except BaseException:
             self._quotas.release(reserved)
             raise
@@ -193,6 +204,7 @@ class ControlPlaneGate:
                     tenant=ticket.key.tenant,
                     key_id=ticket.key.id,
                     model=ticket.model,
+                    adapter=ticket.adapter or "",
                     replica=f"{record.upstream.host}:{record.upstream.port}" if record.upstream else "",
                     prompt_tokens=usage.prompt_tokens if usage else 0,
                     completion_tokens=usage.completion_tokens if usage else 0,
@@ -243,7 +255,7 @@ class ControlPlaneGate:
             self._dispatch(model, now)
 
     async def _wait_for_room(
-        self, caller: CallerKey, model: str, payload: dict, now: float
+        self, caller: CallerKey, model: str, payload: dict, now: float, adapter: str | None = None
     ) -> tuple[str, tuple[Upstream, ...]]:
         lane = self._lanes.get(model)
         if lane is None:
@@ -255,11 +267,12 @@ class ControlPlaneGate:
             tenant=caller.tenant,
             band=caller.band,
             deadline=now + self._queue_timeout,
-            key=_prefix(routes, payload),
+            key=_prefix(routes, payload, adapter),
+            adapter=adapter,
         )
         arrived = lane.admission.arrive(arrival, routes, now, self._salt)
         if isinstance(arrived, Go):
-            return self._went(model, routes, arrived)
+            return self._went(model, routes, arrived, adapter)
         if isinstance(arrived, Rejected):
             raise GatewayError(
                 429,
@@ -268,6 +281,8 @@ class ControlPlaneGate:
                 retry_after=arrived.retry_after,
             )
         woken = lane.woken[arrival.id] = trio.Event()
+        if adapter is not None:
+            lane.adapter_of[arrival.id] = adapter
         ready = routes is not None and bool(routes.replicas)
         if not ready and self._on_waiting is not None:
             self._on_waiting(model)
@@ -283,6 +298,7 @@ class ControlPlaneGate:
             raise
         finally:
             del lane.woken[arrival.id]
+            lane.adapter_of.pop(arrival.id, None)
             if arrival.id not in lane.chosen:
                 lane.admission.leave(arrival.id)  # the client left, or the deadline passed
             if self.observer is not None:
@@ -305,14 +321,23 @@ class ControlPlaneGate:
     def _wake(self, model: str, lane: _Lane, routes: Routes | None, went: Sequence[Go]) -> None:
         for go in went:
             assert routes is not None  # nobody goes without routes
-            lane.chosen[go.id] = self._went(model, routes, go)
+            lane.chosen[go.id] = self._went(model, routes, go, lane.adapter_of.get(go.id))
             lane.woken[go.id].set()
 
-    def _went(self, model: str, routes: Routes, go: Go) -> tuple[str, tuple[Upstream, ...]]:
+    def _went(
+        self, model: str, routes: Routes, go: Go, adapter: str | None = None
+    ) -> tuple[str, tuple[Upstream, ...]]:
         """The replica charged with a request let through, and the upstreams in the order to
-        try them."""
+        try them (for an adapter, those that select it: the lane chose among its servers only)."""
         if self.observer is not None:
             self.observer.on_route(model, routes.policy, go.outcome)
+        if adapter is not None:
+            by_adapter = {
+                route.replica: route.adapters[adapter]
+                for route in routes.replicas
+                if adapter in route.adapters
+            }
+            return go.replica, tuple(by_adapter[rid] for rid in go.order)
         if len(routes.replicas) == 1:
             return go.replica, (routes.replicas[0].upstream,)
         by_id = {route.replica: route.upstream for route in routes.replicas}
@@ -323,10 +348,10 @@ def _random_salt() -> int:
     return random.getrandbits(32)
 
 
-def _prefix(routes: Routes | None, payload: dict) -> bytes | None:
+def _prefix(routes: Routes | None, payload: dict, adapter: str | None = None) -> bytes | None:
     if routes is None or routes.policy != PREFIX:
         return None
-    return prefix_key(payload, routes.prefix_chars)
+    return prefix_key(payload, routes.prefix_chars, adapter)
 
 
 _LIMIT_NAMES = {"rpm": "requests-per-minute", "tpm": "tokens-per-minute", "tpd": "tokens-per-day"}

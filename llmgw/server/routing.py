@@ -6,6 +6,11 @@ with its engine key, its slots and its engine's last scraped load — into a :cl
 order a request tries them in is the gate's to ask of :func:`llmgw.core.routing.decide`, since
 the gate holds the in-flight count per replica that the choice depends on.
 
+An adapter a profile lists is served under its own name (``models`` lists it, ``parent`` names
+its base): its requests share the base model's routes and queue, and go only to the replicas
+whose profile lists it, each :class:`Route` holding the upstream to send them to (with the
+members that select the adapter in the body, for an engine that selects per request).
+
 A model's routes are built once and kept until :meth:`ReplicaRouter.refresh` (after each
 reconcile pass and each scrape round): a request reads them, it does not rebuild them (the
 engine key alone is an HMAC).
@@ -13,12 +18,14 @@ engine key alone is an HMAC).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
 from llmgw.core.catalog import Profile
+from llmgw.core.engines import registry
 from llmgw.core.replica import ReplicaState
 from llmgw.core.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS
 from llmgw.core.scaling import EngineLoad
@@ -41,6 +48,25 @@ class Route:
     upstream: Upstream
     slots: int
     load: EngineLoad | None  # as last scraped; None when unknown
+    # The adapters it serves, by name, each with the upstream its requests go to.
+    adapters: Mapping[str, Upstream] = attrs.field(factory=dict)
+
+
+def adapter_upstreams(
+    engine: str, names: Sequence[str], upstream: Upstream
+) -> tuple[Upstream, dict[str, Upstream]]:
+    """The upstream for the base model's requests, and per adapter of ``names`` (in the order the
+    engine was started with them) the one that selects it: for an engine selecting per request,
+    each sets the members that do (the base model's too, which deselect every adapter)."""
+    select = registry.ENGINES[engine].select_adapter if engine in registry.ENGINES else None
+    if select is None or not names:
+        return upstream, dict.fromkeys(names, upstream)
+
+    def selecting(name: str | None) -> Upstream:
+        members = json.dumps(select(names, name), separators=(",", ":")).encode()
+        return attrs.evolve(upstream, body_members=members)
+
+    return selecting(None), {name: selecting(name) for name in names}
 
 
 @attrs.frozen
@@ -67,6 +93,7 @@ class ReplicaRouter:
         self._load = load  # a replica's engine load as last scraped, None when unknown
         self._routes: dict[str, Routes | None] = {}
         self._models: list[str] | None = None
+        self._parents: dict[str, str] = {}  # adapter name -> its base model
         self._mixed: set[str] = set()  # models whose profiles disagree on routing (warned once)
 
     def refresh(self) -> None:
@@ -75,9 +102,17 @@ class ReplicaRouter:
         self._models = None
 
     def models(self) -> Sequence[str]:
+        """The served models, and every adapter of theirs, by name."""
         if self._models is None:
-            self._models = sorted({profile.model for profile in self._catalog.profiles().values()})
+            profiles = self._catalog.profiles().values()
+            self._parents = {a.name: p.model for p in profiles for a in p.adapters}
+            self._models = sorted({profile.model for profile in profiles} | set(self._parents))
         return self._models
+
+    def parent(self, name: str) -> str | None:
+        """The base model of adapter ``name``; None when it is no adapter."""
+        self.models()
+        return self._parents.get(name)
 
     def routes(self, model: str) -> Routes | None:
         """The model's Ready replicas; None when no profile serves it (a 404, not a wait)."""
@@ -112,7 +147,13 @@ class ReplicaRouter:
             slots = (profile.parallel if profile is not None else None) or DEFAULT_SLOTS
             load = self._load(record.id) if self._load is not None else None
             upstream = Upstream(host=host, port=leader.port, engine_key=key, replica=record.id)
-            routes.append(Route(replica=record.id, upstream=upstream, slots=slots, load=load))
+            names = [a.name for a in profile.adapters] if profile is not None else []
+            adapters: dict[str, Upstream] = {}
+            if profile is not None:
+                upstream, adapters = adapter_upstreams(profile.engine, names, upstream)
+            routes.append(
+                Route(replica=record.id, upstream=upstream, slots=slots, load=load, adapters=adapters)
+            )
         first = serving[0]
         self._warn_if_mixed(model, serving)
         return Routes(
@@ -146,6 +187,9 @@ class FixedRoutes:
     slots: int = DEFAULT_SLOTS
     policy: str = DEFAULT_POLICY
     _built: dict[str, Routes | None] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+
+    def parent(self, name: str) -> str | None:
+        return None
 
     def routes(self, model: str) -> Routes | None:
         # Built once per model, as ReplicaRouter keeps its own: a request only reads them.

@@ -112,6 +112,7 @@ class PushedState:
         self._tenants: dict[str, Tenant] = {}
         self._routes: dict[str, ModelRoutes] = {}
         self._models: list[str] = []
+        self._parents: dict[str, str] = {}  # adapter name -> its base model
         self._samples: dict[str, EngineSample] = {}
         self._ttft: dict[str, float] = {}
         self.have_keys = False
@@ -156,9 +157,21 @@ class PushedState:
                     if r.running is None
                     else EngineLoad(running=r.running, waiting=r.waiting, saturation=r.saturation)
                 )
-                upstream = Upstream(host=r.host, port=r.port, engine_key=r.engine_key, replica=r.replica)
+                upstream = Upstream(
+                    host=r.host,
+                    port=r.port,
+                    engine_key=r.engine_key,
+                    replica=r.replica,
+                    body_members=r.body_members.encode(),
+                )
                 slots = r.slots if self._slots_of is None else self._slots_of(r.replica)
-                replicas.append(Route(replica=r.replica, upstream=upstream, slots=slots, load=load))
+                adapters = {
+                    name: attrs.evolve(upstream, body_members=members.encode()) if members else upstream
+                    for name, members in r.adapters
+                }
+                replicas.append(
+                    Route(replica=r.replica, upstream=upstream, slots=slots, load=load, adapters=adapters)
+                )
                 if r.running is not None:
                     samples[r.replica] = EngineSample(model.model, "", r.running, r.waiting, r.saturation)
             built[model.model] = ModelRoutes(
@@ -168,7 +181,8 @@ class PushedState:
                 replicas=tuple(replicas),
             )
         self._routes = built
-        self._models = sorted(built)
+        self._parents = {name: model.model for model in routes.models for name in model.adapters}
+        self._models = sorted({*built, *self._parents})
         self._samples = samples
         self._ttft = dict(routes.ttft_targets)
         self.have_routes = True
@@ -192,6 +206,13 @@ class PushedState:
 
     def models(self) -> Sequence[str]:
         return self._models
+
+    def parent(self, name: str) -> str | None:
+        return self._parents.get(name)
+
+    def base_models(self) -> list[str]:
+        """The served models without their adapters: what lanes, reports and the scaler count."""
+        return sorted(self._routes)
 
     def ready_upstreams(self, model: str) -> Sequence[Upstream] | None:
         routes = self._routes.get(model)
@@ -323,7 +344,7 @@ class Worker:
     def _lease_report(self, now: float) -> LeaseReport:
         assert self.leases is not None
         in_flight: dict[str, int] = {}
-        for model in self.state.models():
+        for model in self.state.base_models():
             for replica, n in self.gate.in_flight(model).items():
                 in_flight[replica] = in_flight.get(replica, 0) + n
         waiting = [
@@ -337,7 +358,7 @@ class Worker:
             await link.send(Waiting(model=model))
 
     def _snapshot(self) -> Report:
-        models = self.state.models()
+        models = self.state.base_models()
         return Report(
             worker=self.spec.id,
             pid=os.getpid(),

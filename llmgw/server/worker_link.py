@@ -79,6 +79,9 @@ class PushedReplica:
     running: int | None = None
     waiting: int = 0
     saturation: float = 0.0
+    # The adapters it serves: (name, the body members that select it, as JSON text; '' for none).
+    adapters: tuple[tuple[str, str], ...] = ()
+    body_members: str = ""  # those that select the base model ('' for none)
 
 
 @frozen
@@ -88,6 +91,7 @@ class PushedModel:
     load_factor: float
     prefix_chars: int
     replicas: tuple[PushedReplica, ...] = ()
+    adapters: tuple[str, ...] = ()  # served under their own names, this model their base
 
 
 @frozen

@@ -467,6 +467,8 @@ def routes_message(router, ttft_target: Callable[[str], float | None]) -> Routes
     models = []
     targets = []
     for model in router.models():
+        if router.parent(model) is not None:
+            continue  # an adapter: its base model's entry carries it
         routes = router.routes(model)
         if routes is None:
             continue
@@ -486,9 +488,12 @@ def routes_message(router, ttft_target: Callable[[str], float | None]) -> Routes
                         running=route.load.running if route.load is not None else None,
                         waiting=route.load.waiting if route.load is not None else 0,
                         saturation=route.load.saturation if route.load is not None else 0.0,
+                        adapters=tuple((n, u.body_members.decode()) for n, u in route.adapters.items()),
+                        body_members=route.upstream.body_members.decode(),
                     )
                     for route in routes.replicas
                 ),
+                adapters=tuple(name for name in router.models() if router.parent(name) == model),
             )
         )
         target = ttft_target(model)

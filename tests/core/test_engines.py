@@ -575,6 +575,10 @@ def test_llamacpp_selects_one_adapter_and_zeroes_the_others() -> None:
     assert select(("support-bot", "sql", "x"), "sql") == {
         "lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}, {"id": 2, "scale": 0.0}]
     }
+    # The base model: every adapter at 0, said explicitly.
+    assert select(("support-bot", "sql"), None) == {
+        "lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
+    }
     # vLLM and SGLang serve each adapter under its own name: the request's model selects it.
     assert registry.ENGINES["vllm"].select_adapter is None
     assert registry.ENGINES["sglang"].select_adapter is None

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from llmgw.core.catalog import Model, Profile, name_problem
+from llmgw.core.shard import Adapter
 from llmgw.server.catalog import API, CONFIG, Catalog, Change, Invalid, NotFound, Refused
 from llmgw.server.store import CatalogRow, Store, StoreError
 
@@ -280,3 +281,37 @@ async def test_wait_changed_wakes_on_each_change_and_never_misses_one(store: Sto
     assert catalog.version == seen + 2
     with trio.fail_after(1):
         assert await catalog.wait_changed(seen + 1) == seen + 2
+
+
+# --- adapters' names --------------------------------------------------------------------------
+
+
+async def test_an_adapter_named_as_a_model_is_refused_naming_both(store: Store):
+    catalog = await Catalog.load(store, [SMOL], [])
+    clash = attrs.evolve(SMOL_API, adapters=(Adapter(name="org/qwen", path="/a/q.gguf"),))
+    with pytest.raises(Invalid) as info:
+        await catalog.apply([QWEN], [clash])
+    assert info.value.problems == [
+        "profiles.smollm2-api.adapters[0].name: adapter 'org/qwen' of model 'smollm2-135m' has the name "
+        "of model 'org/qwen'; clients ask for both by name, so rename one"
+    ]
+    # ... and a model declared after an adapter of its name is refused too.
+    fine = attrs.evolve(SMOL_API, adapters=(Adapter(name="sql", path="/a/sql.gguf"),))
+    await catalog.apply([], [fine])
+    with pytest.raises(Invalid) as info:
+        await catalog.apply([attrs.evolve(QWEN, name="sql")], [])
+    assert "adapter 'sql' of model 'smollm2-135m' has the name of model 'sql'" in info.value.problems[0]
+
+
+async def test_one_adapter_name_for_two_base_models_is_refused(store: Store):
+    catalog = await Catalog.load(store, [SMOL, QWEN], [])
+    sql = (Adapter(name="sql", path="/a/sql"),)
+    await catalog.apply([], [attrs.evolve(QWEN_L40S, adapters=sql)])
+    with pytest.raises(Invalid) as info:
+        await catalog.apply([], [attrs.evolve(SMOL_API, adapters=(Adapter(name="sql", path="/a/sql.gguf"),))])
+    assert info.value.problems == [
+        "profiles.smollm2-api.adapters[0].name: adapter 'sql' of model 'smollm2-135m' has the name of an "
+        "adapter of model 'org/qwen' (profile 'qwen-l40s'); rename one"
+    ]
+    # Two profiles of one model may both list it: that is one adapter served two ways.
+    await catalog.apply([], [attrs.evolve(QWEN_L40S, name="qwen-2", adapters=sql)])

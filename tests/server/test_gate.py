@@ -61,6 +61,9 @@ class Room:
     def routes(self, model: str) -> Routes | None:
         return Routes(policy=self.policy, replicas=self.replicas) if model == "m" else None
 
+    def parent(self, name: str) -> str | None:
+        return None
+
 
 class Usages:
     def __init__(self) -> None:
@@ -314,3 +317,66 @@ def test_estimates_count_the_prompt_and_the_most_it_may_write():
         estimate_tokens({"max_tokens": 1}, 4_000) - estimate_tokens({"max_tokens": 1}, 0)
         == 4_000 // CHARS_PER_TOKEN
     )
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+
+class AdapterRoom(Room):
+    """Model "m" on r0 (the base only) and r1, which also serves adapter "sql" through an
+    upstream of its own (as server.routing builds for an engine that selects per request)."""
+
+    def set(self, *slots: int) -> None:
+        base = [Upstream("127.0.0.1", 20000 + i, "k", f"r{i}") for i in range(2)]
+        sql = attrs.evolve(base[1], body_members=b'{"lora":[{"id":0,"scale":1.0}]}')
+        self.replicas = (
+            Route(replica="r0", upstream=base[0], slots=slots[0], load=None),
+            Route(replica="r1", upstream=base[1], slots=slots[1], load=None, adapters={"sql": sql}),
+        )
+
+    def parent(self, name: str) -> str | None:
+        return "m" if name == "sql" else None
+
+
+async def test_a_request_for_an_adapter_goes_to_a_replica_serving_it_and_is_accounted_to_it():
+    usages = Usages()
+    g = ControlPlaneGate(Keys(("s", ALICE)), AdapterRoom(4, 1), usage=usages)
+    for _ in range(3):  # round-robin would have sent one of them to r0
+        ticket = await g.admit(ALICE, "sql", *chat())
+        assert ticket.model == "m" and ticket.adapter == "sql" and ticket.replica == "r1"
+        (upstream,) = ticket.upstreams
+        assert upstream.replica == "r1" and upstream.body_members == b'{"lora":[{"id":0,"scale":1.0}]}'
+        g.finish(ticket, served(Usage(1, 1, 2)))
+    base = await g.admit(ALICE, "m", *chat())
+    assert all(u.body_members == b"" for u in base.upstreams)
+    g.finish(base, served(Usage(1, 1, 2)))
+    assert [(r.model, r.adapter) for r in usages.records] == [("m", "sql")] * 3 + [("m", "")]
+
+
+async def test_adapter_requests_share_the_base_models_slots(autojump_clock):
+    """One lane per base model: r1's one slot taken by a base request leaves none for "sql"."""
+    g = ControlPlaneGate(Keys(("s", ALICE)), AdapterRoom(0, 1), queue_timeout=5.0)
+    held = await g.admit(ALICE, "m", *chat())
+    assert held.replica == "r1"
+    with pytest.raises(GatewayError) as waited:
+        await g.admit(ALICE, "sql", *chat())
+    assert waited.value.status == 503
+    g.finish(held, served(Usage(1, 1, 2)))
+    ticket = await g.admit(ALICE, "sql", *chat())
+    assert ticket.replica == "r1"
+
+
+async def test_a_key_may_be_limited_to_an_adapter():
+    only_sql = Key(id="k-sql", tenant="t", models=("sql",))
+    g = ControlPlaneGate(Keys(("s", only_sql)), AdapterRoom(4, 4))
+    assert g.models(only_sql, ["m", "sql"]) == ["sql"]
+    with pytest.raises(GatewayError) as refused:
+        await g.admit(only_sql, "m", *chat())
+    assert refused.value.status == 403 and "'m'" in refused.value.message
+    ticket = await g.admit(only_sql, "sql", *chat())
+    assert ticket.adapter == "sql"
+    # ... and one allowed the base model is not thereby allowed its adapters.
+    only_base = Key(id="k-m", tenant="t", models=("m",))
+    with pytest.raises(GatewayError) as refused:
+        await ControlPlaneGate(Keys(("s", only_base)), AdapterRoom(4, 4)).admit(only_base, "sql", *chat())
+    assert refused.value.status == 403

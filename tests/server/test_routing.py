@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 
 from llmgw.core.catalog import Profile
 from llmgw.core.replica import Replica, ReplicaShard, ReplicaState
 from llmgw.core.scaling import EngineLoad
+from llmgw.core.shard import Adapter
 from llmgw.server.routing import DEFAULT_SLOTS, ReplicaRouter
 from llmgw.wire.messages import Inventory
 
@@ -106,3 +109,30 @@ def test_ready_upstreams_carry_each_replicas_own_key_and_address():
         ("10.0.0.2", 20000, "key-of-r2", "r2"),
     ]
     assert router().ready_upstreams("unknown") is None
+
+
+def test_adapters_are_served_by_name_beside_their_base_on_the_replicas_of_profiles_listing_them():
+    """Profile p-lora (llama.cpp) lists two adapters, p-plain none: the adapters are models of
+    their own whose parent is m, and only p-lora's replica serves them, each through an upstream
+    whose body members select it among the engine's adapters in their --lora order."""
+    lora = attrs.evolve(
+        profile("p-lora", 2),
+        adapters=(Adapter(name="sql", path="/a/sql.gguf"), Adapter(name="chat", path="/a/chat.gguf")),
+    )
+    vllm = attrs.evolve(profile("p-vllm", 2), engine="vllm", adapters=(Adapter(name="tool", path="/a/tool"),))
+    records = (replica("r1", "p-lora"), replica("r2", "p-plain", node="n2"), replica("r3", "p-vllm"))
+    router = ReplicaRouter(Catalog(lora, profile("p-plain", 2), vllm), Replicas(*records), Registry())
+    assert router.models() == ["chat", "m", "sql", "tool"]
+    assert [router.parent(n) for n in ("chat", "m", "sql", "tool", "other")] == ["m", None, "m", "m", None]
+    by_id = {route.replica: route for route in router.routes("m").replicas}
+    assert set(by_id["r1"].adapters) == {"sql", "chat"} and not by_id["r2"].adapters
+    chat = by_id["r1"].adapters["chat"]
+    assert (chat.host, chat.port, chat.replica) == (by_id["r1"].upstream.host, 20000, "r1")
+    assert json.loads(chat.body_members) == {"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]}
+    # The base model's requests deselect every adapter; a replica without any is sent as is.
+    assert json.loads(by_id["r1"].upstream.body_members) == {
+        "lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
+    }
+    assert by_id["r2"].upstream.body_members == b""
+    # vLLM serves its adapter under its name: the request goes as the client sent it.
+    assert by_id["r3"].adapters["tool"] == by_id["r3"].upstream and by_id["r3"].upstream.body_members == b""

@@ -72,10 +72,11 @@ class Engine:
     # of the node's copy: (copy's directory, its files) -> the path on its command line.
     adapter_files: tuple[str, ...]
     adapter_path: Callable[[str, tuple[FileDigest, ...]], str]
-    # (the adapters' names in the order it was started with them, the one a request names) ->
-    # the members the gateway sets in that request's body to select it. None: the request's
-    # `model` alone selects it, as vLLM and SGLang serve each adapter under its name.
-    select_adapter: Callable[[Sequence[str], str], Mapping[str, Any]] | None = None
+    # (the adapters' names in the order it was started with them, the one a request names, or
+    # None for the base model) -> the members the gateway sets in that request's body to select
+    # it. None: the request's `model` alone selects it, as vLLM and SGLang serve each adapter
+    # under its name.
+    select_adapter: Callable[[Sequence[str], str | None], Mapping[str, Any]] | None = None
     metrics: EngineMetrics  # its load, from /metrics: for routing, scaling and drains
     help: HelpCheck
 

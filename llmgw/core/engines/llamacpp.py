@@ -89,10 +89,11 @@ def adapter_path(directory: str, files: tuple[FileDigest, ...]) -> str:
     return f"{directory}/{gguf}"
 
 
-def select_adapter(names: Sequence[str], name: str) -> dict[str, Any]:
-    """The request's `lora` list: ``name`` at scale 1, every other adapter the engine holds at 0.
-    An id is the adapter's place among the --lora flags; one left out of the list would keep the
-    engine's own scale, so every adapter is listed."""
+def select_adapter(names: Sequence[str], name: str | None) -> dict[str, Any]:
+    """The request's `lora` list: ``name`` at scale 1, every other adapter the engine holds at 0
+    (all at 0 for the base model, ``name`` None). An id is the adapter's place among the --lora
+    flags. Every adapter is listed, the base model's requests too: a slot that served an adapter
+    otherwise keeps something of it for the next request (seen on build 11434)."""
     return {"lora": [{"id": i, "scale": 1.0 if n == name else 0.0} for i, n in enumerate(names)]}
 
 
