@@ -279,7 +279,7 @@ def test_traffic_totals_sum_the_gateway_metrics_over_models():
     for model, status, completed, first_byte in answers:
         metrics.on_done(
             RequestRecord(
-                path="/v1/chat/completions", started=0.0, model=model, status=status,
+                path="/v1/chat/completions", started=0.0, model=model, status=status, stream=True,
                 completed=completed, finished=4.0, first_byte=first_byte,
             )
         )  # fmt: skip
