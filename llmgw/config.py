@@ -229,7 +229,9 @@ StringMap = Annotated[dict[str, str], "a mapping of names to strings"]
 
 def _protocol(_instance: Any, attribute: attrs.Attribute, value: str) -> None:
     if value not in TRACING_PROTOCOLS:
-        raise _BadValue(f"expected one of {', '.join(TRACING_PROTOCOLS)}, got {_show(value)}", key=attribute.name)
+        raise _BadValue(
+            f"expected one of {', '.join(TRACING_PROTOCOLS)}, got {_show(value)}", key=attribute.name
+        )
 
 
 @attrs.frozen(kw_only=True)
