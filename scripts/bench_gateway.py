@@ -273,7 +273,8 @@ class Llmgw:
         self.server: Child | None = None
 
     def start(self) -> None:
-        gateway: dict = {"listen": "127.0.0.1:0"}
+        # The bench's workers stop with its server: by default they would serve on after it.
+        gateway: dict = {"listen": "127.0.0.1:0", "stop_workers_on_exit": True}
         if self.workers is not None:
             gateway["workers"] = self.workers
         config = {

@@ -222,6 +222,7 @@ def write_server_config(tmp: Path, interval: float, missed: int, log_level: str)
         "  listen: 127.0.0.1:0\n"
         "gateway:\n"
         "  listen: 127.0.0.1:0\n"
+        "  stop_workers_on_exit: true\n"  # the gateway workers stop with the bench's server
     )
     return config
 

@@ -400,7 +400,7 @@ class Fleet:
             "data_dir": str(self.data_dir),
             "link": {"listen": "127.0.0.1:0"},
             "admin": {"listen": "127.0.0.1:0"},
-            "gateway": {"listen": "127.0.0.1:0"},
+            "gateway": {"listen": "127.0.0.1:0", "stop_workers_on_exit": True},  # none outlive the bench
         }
         server_yaml = write_private(self.work / "server.yaml", yaml.safe_dump(config))
         server = self._spawn(["server", "--config", str(server_yaml)], "server.log")
