@@ -48,6 +48,7 @@ from pathlib import Path
 
 import attrs
 import yaml
+from benchproc import STOP_GRACE_S, BenchError, Child, wait_for, write_private
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.core.bench_stats import percentile
@@ -72,10 +73,8 @@ READY_S = 300.0
 # Both replicas must stay Ready with the same ids for this long after a profile change: the
 # reconciler may act on the change a pass later, and a restart shows as new ids or a state change.
 SETTLE_S = 2.0
-POLL_S = 0.25
 CTL_TIMEOUT_S = 60.0
 ADMIN_TIMEOUT_S = 30.0
-STOP_GRACE_S = 30.0
 ENGINE_STOP_GRACE_S = 5.0  # the agent's, before it kills an engine: well within STOP_GRACE_S
 # SmolLM2's tokenizer makes about this many tokens of the word list below, with its spaces and
 # punctuation (measured with llama-server's /tokenize): turns --prompt-tokens into a word count.
@@ -314,71 +313,13 @@ def _has_content(choice: object) -> bool:
 # ------------------------------------------------------------------------------------ processes
 
 
-class Child:
-    """A process in a session (and process group) of its own, its output in a log file."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        with open(log, "ab") as out:
-            self.popen = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def running(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self) -> None:
-        """SIGTERM to its group (the agent then stops its engines), SIGKILL if it lingers."""
-        if self.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=STOP_GRACE_S)
-        if self.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=STOP_GRACE_S)
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-
-class BenchError(Exception):
-    """The bench cannot go on; the message says why (and where the logs are)."""
-
-
 def llmgw_command() -> list[str]:
     return [sys.executable, "-m", "llmgw"]
 
 
-def wait_for(condition, what: str, seconds: float, deadline: float, watch: list[Child]):
-    """Polls ``condition()`` until it returns something truthy (returned), within ``seconds`` and
-    the run's overall ``deadline``; fails early when a process in ``watch`` exits."""
-    end = min(time.monotonic() + seconds, deadline)
-    while time.monotonic() < end:
-        try:
-            value = condition()
-        except OSError:  # not answering yet (urllib's errors are OSErrors)
-            value = None
-        if value:
-            return value
-        for child in watch:
-            if not child.running():
-                raise BenchError(f"{what}: {child.log.name} exited {child.popen.returncode}:\n{child.tail()}")
-        time.sleep(POLL_S)
-    raise BenchError(f"timed out waiting for {what}")
-
-
-def write_private(path: Path, text: str) -> Path:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return path
+def wait_within(condition, what: str, seconds: float, deadline: float, watch: list[Child]):
+    """wait_for, within ``seconds`` and the run's overall ``deadline``."""
+    return wait_for(condition, what, min(time.monotonic() + seconds, deadline), watch)
 
 
 class Fleet:
@@ -404,7 +345,7 @@ class Fleet:
         }
         server_yaml = write_private(self.work / "server.yaml", yaml.safe_dump(config))
         server = self._spawn(["server", "--config", str(server_yaml)], "server.log")
-        self.endpoints = wait_for(
+        self.endpoints = wait_within(
             self._read_endpoints, "the server to listen", SERVER_START_S, self.deadline, [server]
         )
         self.token = (self.data_dir / "admin-token").read_text().strip()
@@ -425,7 +366,7 @@ class Fleet:
         }
         agent_yaml = write_private(self.work / "agent.yaml", yaml.safe_dump(agent_config))
         agent = self._spawn(["agent", "--config", str(agent_yaml)], "agent.log")
-        wait_for(
+        wait_within(
             self._node_connected, "the agent to register", AGENT_REGISTER_S, self.deadline, [server, agent]
         )
 
@@ -501,7 +442,7 @@ class Fleet:
             time.sleep(SETTLE_S)
             return self._ready() if self._ready_ids(count) == first else None
 
-        return wait_for(
+        return wait_within(
             settled, f"{count} Ready replicas of {PROFILE}", READY_S, self.deadline, self.children
         )
 
