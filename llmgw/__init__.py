@@ -17,6 +17,8 @@ the top down; each imports only packages below it (``tests/test_layers.py`` fail
   ``gateway.contract``, what the control plane implements for it. Imports no other llmgw package
   but ``core``.
 - ``http_probe``: one GET to an engine, for the agent's readiness checks and the server's scrapes.
+- ``procfs``: a process's /proc stat (state, start time), for the agent's engines and the server's
+  gateway workers alike.
 - ``core``: every decision, pure (``now`` is a parameter; no I/O, no clock, no event loop), and the
   facts it decides on; a leaf: it imports no other llmgw package.
 """

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.procfs import start_time_of
+
 # A real unprivileged user for engines (the tests run as root, as an agent does on a node).
 TEST_USER = "llmgw-test-eng"
 
@@ -87,8 +89,7 @@ def _no_gateway_worker_outlives_its_test(request):
     for state_file in Path(tmp_path).rglob("workers/*.state.json"):
         try:
             state = json.loads(state_file.read_text())
-            stat = Path(f"/proc/{state['pid']}/stat").read_text()
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError):
             continue
-        if int(stat.rsplit(")", 1)[1].split()[19]) == state["start_time"]:  # the same process
+        if start_time_of(state.get("pid", 0)) == state.get("start_time"):  # the same process
             os.kill(state["pid"], signal.SIGKILL)

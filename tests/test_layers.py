@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llmgw"
 IMPURE = {"trio", "h11", "h2", "httptools", "apsw", "psycopg", "pynvml", "socket", "select", "subprocess"}
 # Per package: the other llmgw packages it must not import.
 FORBIDDEN = {
-    "core": {"wire", "gateway", "server", "agent", "ctl", "cli", "config", "http_probe"},
+    "core": {"wire", "gateway", "server", "agent", "ctl", "cli", "config", "http_probe", "procfs", "tracing"},
     "wire": {"gateway", "server", "agent", "ctl", "cli"},
     "gateway": {"wire", "server", "agent", "ctl", "cli"},
     "server": {"agent", "ctl", "cli"},

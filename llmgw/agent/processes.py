@@ -20,8 +20,8 @@ import trio
 
 from llmgw.agent.runas import EngineUser
 from llmgw.core.exits import describe_exit as describe_exit  # re-exported: the shells take it from here
+from llmgw.procfs import PROC, ProcStat, read_stat  # re-exported, as above
 
-PROC = Path("/proc")
 # The inode of the initial pid namespace (the kernel's PROC_PID_INIT_INO). NVML reports pids as
 # the host sees them; inside another namespace they name other processes, or none.
 INITIAL_PID_NAMESPACE = 0xEFFFFFFC
@@ -41,22 +41,6 @@ GONE_POLL = 0.1
 
 
 @attrs.frozen(kw_only=True)
-class ProcStat:
-    """The parts of /proc/PID/stat the supervisor uses."""
-
-    state: str  # "R", "S", "D", "Z" (zombie), ...
-    ppid: int
-    pgrp: int
-    start_time: int  # clock ticks after boot: with the pid, this names one process for good
-
-    @property
-    def alive(self) -> bool:
-        # A zombie has exited and waits only to be reaped, which in a container whose PID 1 is
-        # not an init may never happen; kill(pid, 0) still succeeds on it, so it is not asked.
-        return self.state not in ("Z", "X")
-
-
-@attrs.frozen(kw_only=True)
 class ProcessRecord:
     """One process of a shard, as the state file keeps it to find the process again."""
 
@@ -68,19 +52,6 @@ class ProcessRecord:
     # its own title shows something other than argv there.
     cmdline: tuple[str, ...]
     start_time: int
-
-
-def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
-    """None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces and parentheses itself:
-    # the fields that follow start after the last ")".
-    fields = text[text.rindex(")") + 2 :].split()
-    # fields[0] is field 3 of the man page (state); field N is fields[N - 3].
-    return ProcStat(state=fields[0], ppid=int(fields[1]), pgrp=int(fields[2]), start_time=int(fields[19]))
 
 
 def read_cmdline(pid: int) -> tuple[str, ...] | None:

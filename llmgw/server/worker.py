@@ -18,7 +18,6 @@ journal's segments and ``<id>.log``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -32,11 +31,11 @@ import trio
 
 from llmgw.core.leases import RENEW_INTERVAL, LeaseGrant, LeaseReport, WorkerLeases
 from llmgw.core.leases import Waiting as LeaseWaiting
-from llmgw.core.quota import Limits
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.contract import RequestRecord, Upstream
 from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
+from llmgw.procfs import start_time_of
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.journal import JournalWriter
 from llmgw.server.routing import Route
@@ -50,7 +49,6 @@ from llmgw.server.worker_link import (
     REPORT_INTERVAL,
     Keys,
     LineStream,
-    PushedLimits,
     Report,
     Routes,
     Waiting,
@@ -93,10 +91,6 @@ def load_spec(path: Path) -> WorkerSpec:
     return cattrs.structure(json.loads(path.read_text()), WorkerSpec)
 
 
-def _limits(pushed: PushedLimits | None) -> Limits | None:
-    return None if pushed is None else Limits(rpm=pushed.rpm, tpm=pushed.tpm, tpd=pushed.tpd)
-
-
 class PushedState:
     """What the control plane last pushed, as the gate, the relay and the metrics read it."""
 
@@ -130,12 +124,14 @@ class PushedState:
     def take_keys(self, keys: Keys) -> None:
         self._keys = {
             k.id: (
-                KeyRecord(k.id, k.tenant, tuple(k.models), k.band, _limits(k.limits), created=0.0),
+                KeyRecord(
+                    k.id, k.tenant, tuple(k.models), k.band, k.limits and k.limits.limits(), created=0.0
+                ),
                 bytes.fromhex(k.digest),
             )
             for k in keys.keys
         }
-        self._tenants = {t.name: Tenant(t.name, _limits(t.limits) or Limits(), 0.0) for t in keys.tenants}
+        self._tenants = {t.name: Tenant(t.name, t.limits.limits(), 0.0) for t in keys.tenants}
         self.have_keys = True
 
     def take_routes(self, routes: Routes) -> None:
@@ -404,23 +400,11 @@ async def _unix_listener(path: Path) -> trio.SocketListener:
     return trio.SocketListener(sock)
 
 
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None when
-    there is no such process. With the pid it tells a process from a later one reusing the pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno not in (errno.ENOENT, errno.ESRCH):
-            raise
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
 def _write_state(spec: WorkerSpec) -> None:
     state = {
         "id": spec.id,
         "pid": os.getpid(),
-        "start_time": process_start_time(os.getpid()),
+        "start_time": start_time_of(os.getpid()),
         "port": spec.port,
     }
     tmp = spec.state_path.with_suffix(".tmp")
