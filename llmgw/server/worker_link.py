@@ -27,6 +27,7 @@ import cattrs
 import trio
 
 from llmgw.core.leases import LeaseGrant, LeaseReport
+from llmgw.core.quota import Limits
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ class PushedLimits:
     rpm: int | None = None
     tpm: int | None = None
     tpd: int | None = None
+
+    @classmethod
+    def of(cls, limits: Limits) -> PushedLimits:
+        return cls(rpm=limits.rpm, tpm=limits.tpm, tpd=limits.tpd)
+
+    def limits(self) -> Limits:
+        return Limits(rpm=self.rpm, tpm=self.tpm, tpd=self.tpd)
 
 
 @frozen
