@@ -32,10 +32,10 @@ import trio
 
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.leases import LeaseLedger, LeaseReport
-from llmgw.core.quota import Limits
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT
+from llmgw.procfs import start_time_of
 from llmgw.server.changes import Changes
-from llmgw.server.worker import WorkerSpec, load_spec, process_start_time, spec_path
+from llmgw.server.worker import WorkerSpec, load_spec, spec_path
 from llmgw.server.worker_link import (
     LINK_ERRORS,
     Keys,
@@ -83,6 +83,9 @@ class _Worker:
     # Adopted, but started with settings this server would not give it (another port, its own
     # share of quotas or all of them, another queue timeout): replaced before anything else.
     outdated: bool = False
+    # The ledger has had a lease report from it: a grant answers a report, so none is pushed
+    # before the first (a restarted server's ledger has heard from nobody yet).
+    lease_reported: bool = False
 
 
 class WorkerPool:
@@ -237,7 +240,7 @@ class WorkerPool:
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("ignoring %s: %s", state_file, exc)
                 continue
-            if started is not None and process_start_time(pid) == started:
+            if started is not None and start_time_of(pid) == started:
                 if self._port and port != self._port:
                     log.info(
                         "gateway worker %s (pid %d) listens on %d, not %d: stopping it",
@@ -281,14 +284,14 @@ class WorkerPool:
             await self._stop(worker)
             worker.pid, worker.adopted, worker.outdated = 0, False, False
         while True:
-            if not worker.pid or process_start_time(worker.pid) is None:
+            if not worker.pid or start_time_of(worker.pid) is None:
                 await self._start(worker)
             try:
                 await self._follow(worker)
             except (LinkLost, OSError, EOFError, trio.TooSlowError) as exc:
                 log.warning("gateway worker %s (pid %d): %s", worker.id, worker.pid, exc)
             worker.connected = False
-            if worker.pid and process_start_time(worker.pid) is not None:
+            if worker.pid and start_time_of(worker.pid) is not None:
                 await trio.sleep(0.2)  # alive: the link alone dropped, connect again
                 continue
             if self._ledger is not None:
@@ -297,6 +300,8 @@ class WorkerPool:
                 worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
             )
             worker.restarts += 1
+            if worker.process is not None:
+                await worker.process.wait()  # ours: reaped, not left a zombie
             log.warning("gateway worker %s died: starting it again in %.1f s", worker.id, delay)
             worker.pid = 0
             await trio.sleep(delay)
@@ -307,7 +312,7 @@ class WorkerPool:
             subjects = {("tenant", t.name): t.limits for t in keys.tenants}
             subjects |= {("key", k.id): k.limits for k in keys.keys}
             for subject, limits in subjects.items():
-                self._ledger.set_limits(subject, None if limits is None else _limits(limits))
+                self._ledger.set_limits(subject, None if limits is None else limits.limits())
             for gone in self._subjects - subjects.keys():
                 self._ledger.set_limits(gone, None)
             self._subjects = set(subjects)
@@ -383,6 +388,7 @@ class WorkerPool:
                     elif isinstance(message, LeaseReport) and self._ledger is not None:
                         now = trio.current_time()
                         self._ledger.receive(message, now)
+                        worker.lease_reported = True
                         await link.send(self._ledger.grant(worker.id, now))
         except* LINK_ERRORS as group:
             lost = group.exceptions[0]
@@ -400,31 +406,27 @@ class WorkerPool:
             if version != seen:
                 seen = version
                 await link.send(build())
-                if self._ledger is not None:
+                if self._ledger is not None and worker.lease_reported:
                     # New limits or replicas have shares now: the worker needs them before its
                     # next report's answer, or it refuses what it could already admit.
                     await link.send(self._ledger.grant(worker.id, trio.current_time()))
             await changes.wait_past(seen)
 
     async def _stop(self, worker: _Worker) -> None:
-        if not worker.pid or process_start_time(worker.pid) is None:
+        if not worker.pid or start_time_of(worker.pid) is None:
             return
         _signal(worker.pid, signal.SIGTERM)
         with trio.move_on_after(STOP_GRACE):
-            while process_start_time(worker.pid) is not None:
+            while start_time_of(worker.pid) is not None:
                 if worker.process is not None and worker.process.poll() is not None:
                     break
                 await trio.sleep(0.05)
-        if process_start_time(worker.pid) is not None and (
+        if start_time_of(worker.pid) is not None and (
             worker.process is None or worker.process.poll() is None
         ):
             _signal(worker.pid, signal.SIGKILL)
         if worker.process is not None:
             await worker.process.wait()
-
-
-def _limits(pushed: PushedLimits) -> Limits:
-    return Limits(rpm=pushed.rpm, tpm=pushed.tpm, tpd=pushed.tpd)
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -437,10 +439,6 @@ def _signal(pid: int, signum: int) -> None:
 # --- what the workers are told ------------------------------------------------------------------
 
 
-def pushed_limits(limits) -> PushedLimits | None:
-    return None if limits is None else PushedLimits(rpm=limits.rpm, tpm=limits.tpm, tpd=limits.tpd)
-
-
 def keys_message(tenants) -> Keys:
     """server.tenants.Tenants as the workers need it: working keys as digests, tenants' limits."""
     return Keys(
@@ -451,13 +449,12 @@ def keys_message(tenants) -> Keys:
                 digest=digest.hex(),
                 models=record.models,
                 band=record.band,
-                limits=pushed_limits(record.limits),
+                limits=None if record.limits is None else PushedLimits.of(record.limits),
             )
             for record, digest in tenants.working_keys()
         ),
         tenants=tuple(
-            PushedTenant(name=t.name, limits=pushed_limits(t.limits) or PushedLimits())
-            for t in tenants.list_tenants()
+            PushedTenant(name=t.name, limits=PushedLimits.of(t.limits)) for t in tenants.list_tenants()
         ),
     )
 

@@ -29,6 +29,15 @@ def worker_state(fleet: Fleet) -> dict:
     return json.loads((fleet.server.data_dir / "workers" / "w0.state.json").read_text())
 
 
+def all_worker_states(fleet: Fleet) -> dict[str, dict]:
+    """Each worker's pid and start time, by id: the same after a restart means adopted."""
+    states = {}
+    for path in sorted((fleet.server.data_dir / "workers").glob("*.state.json")):
+        state = json.loads(path.read_text())
+        states[state["id"]] = {"pid": state["pid"], "start_time": state["start_time"]}
+    return states
+
+
 def usage_requests(fleet: Fleet) -> int:
     rows = fleet.server.admin("GET", "/admin/v1/usage?by=tenant")["usage"]
     return sum(row["requests"] for row in rows)
@@ -41,14 +50,17 @@ def real_parts():
     return require_llama_server(), require_smollm2()
 
 
-def test_a_server_killed_under_load_costs_no_request_and_no_usage_record(real_parts, tmp_path):
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_server_killed_under_load_costs_no_request_and_no_usage_record(real_parts, tmp_path, count):
+    """One worker, and two sharing leased quotas and slots: every worker serves on alone."""
     name = "smollm2-cpu"
-    fleet = Fleet(tmp_path, real_parts, {name: profile(name)})
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)}, gateway={"workers": count})
     try:
         fleet.start()
         (replica,) = fleet.wait_ready(name, 1)
         engine = fleet.engine_process(replica)
-        worker = worker_state(fleet)
+        before = all_worker_states(fleet)
+        assert len(before) == count
         status, body = chat(fleet, "Before the load: say hello.")
         assert status == 200, body
 
@@ -83,9 +95,8 @@ def test_a_server_killed_under_load_costs_no_request_and_no_usage_record(real_pa
         failed = [outcome for outcome in results if outcome[0] != 200]
         assert not failed, f"{failed}\n{fleet.logs()}"
         assert len(results) > during, "no request was answered after the kill"
-        after = worker_state(fleet)
-        assert (after["pid"], after["start_time"]) == (worker["pid"], worker["start_time"]), "not adopted"
-        assert alive(worker["pid"], worker["start_time"])
+        assert all_worker_states(fleet) == before, "not adopted"
+        assert all(alive(w["pid"], w["start_time"]) for w in before.values())
         assert fleet.engine_process(replica) == engine
         # Every answered request has its record: the journal survived the server's death.
         answered = len(results) + 1
