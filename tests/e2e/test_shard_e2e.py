@@ -79,6 +79,20 @@ def alive(pid: int) -> bool:
     return stat is not None and stat.alive
 
 
+def what_happened(tmp_path: Path, server: Server, agent) -> str:
+    """The agent's log, the engine's output and the server's events: why a shard is not what the
+    test expected, on a machine whose files are gone by the time anyone reads the failure."""
+    parts = [f"--- agent log ---\n{agent.output()[-6000:]}"]
+    for out in sorted(tmp_path.glob("agent-*/shards/*/*.out")):
+        parts.append(f"--- {out.name} ---\n{out.read_text(errors='replace')[-4000:]}")
+    try:
+        events = server.admin("GET", "/admin/v1/events")["events"]
+    except OSError as exc:
+        events = [f"(events unreadable: {exc})"]
+    parts.append("--- server events ---\n" + "\n".join(map(str, events[-30:])))
+    return "\n".join(parts)
+
+
 def replicas(server: Server) -> list[dict]:
     return server.admin("GET", "/admin/v1/replicas")["replicas"]
 
@@ -175,8 +189,12 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         assert summary[0]["model"] == "smollm2" and summary[0]["completion_tokens"] > 0
 
         # kill -9 the agent: the engine keeps serving; a new agent adopts the same process.
+        now = shard_view(server, "cpu-1", shard["shard_id"])
+        assert now and now["pid"] == engine_pid and now["state"] == "Ready", what_happened(
+            tmp_path, server, agent
+        )
         agent.kill9()
-        assert alive(engine_pid)
+        assert alive(engine_pid), what_happened(tmp_path, server, agent)
         restarted = time.monotonic()
         agent = start_agent(tmp_path, server, "cpu-1", engines=engines)
         wait_until(lambda: server.nodes()["cpu-1"]["connected"], "the agent to come back", proc=agent)
