@@ -15,7 +15,7 @@ the top down; each imports only packages below it (``tests/test_layers.py`` fail
 - ``wire``: the agent↔server messages, their codec, the HTTP/2 stream, files cut into pieces.
 - ``gateway``: the data plane (listener, relay, stream pump, upstream pools) and, in
   ``gateway.contract``, what the control plane implements for it. Imports no other llmgw package
-  but ``core``.
+  but ``core`` and ``tracing`` (its request spans).
 - ``http_probe``: one GET to an engine, for the agent's readiness checks and the server's scrapes.
 - ``procfs``: a process's /proc stat (state, start time), for the agent's engines and the server's
   gateway workers alike.

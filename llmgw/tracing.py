@@ -340,13 +340,22 @@ def end(a_span: Any, error: str | None = None, end_time: float | None = None) ->
     a_span.end(None if end_time is None else int(end_time * 1e9))
 
 
+def event(
+    a_span: Any, name: str, attributes: Mapping[str, Any] | None = None, at: float | None = None
+) -> None:
+    """A moment in ``a_span`` (a first byte, a stream's end); ``at``: wall-clock seconds, when
+    it was earlier than now."""
+    a_span.add_event(name, attributes, None if at is None else int(at * 1e9))
+
+
 def current() -> Any:
     """The current span (NO_SPAN when there is none, or tracing is off)."""
     return trace.get_current_span() if _state.tracer is not None else NO_SPAN
 
 
 def fail(a_span: Any, why: str) -> None:
-    if a_span.is_recording():
+    """Marks ``a_span`` failed; the first reason given stays (it is nearest the cause)."""
+    if a_span.is_recording() and a_span.status.status_code is not StatusCode.ERROR:
         a_span.set_status(Status(StatusCode.ERROR, why))
 
 

@@ -165,5 +165,19 @@ def request_head(host: str, port: int, path: str, engine_key: str) -> bytes:
     ).encode("latin-1")
 
 
+_LENGTH_NAME = b"content-length: "
+
+
+def with_header(head: bytes, headers: dict[str, str]) -> bytes:
+    """A head of :func:`request_head` with ``headers`` too (a trace context, which the tracing
+    module formats; a value with a line break is left out rather than let it end the head)."""
+    lines = b"".join(
+        f"{name}: {value}\r\n".encode("latin-1")
+        for name, value in headers.items()
+        if "\r" not in value and "\n" not in value and "\r" not in name and "\n" not in name
+    )
+    return head[: -len(_LENGTH_NAME)] + lines + _LENGTH_NAME
+
+
 def request_bytes(head: bytes, body: bytes) -> bytes:
     return b"".join((head, b"%d\r\n\r\n" % len(body), body))

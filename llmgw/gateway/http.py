@@ -25,6 +25,7 @@ from functools import partial
 import h11
 import trio
 
+from llmgw import tracing
 from llmgw.gateway.contract import Gate, RequestRecord, Router
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.h11_stream import H11Stream
@@ -185,7 +186,8 @@ async def _serve_request(site: _Site, client: H11Stream) -> bool:
             return client.reusable()
         await responder.respond(200, _models_body(models))
     else:
-        await relay.forward(responder, path, body, authorization)
+        trace_context = _trace_context(request) if tracing.enabled() else None
+        await relay.forward(responder, path, body, authorization, trace_context)
     return client.reusable()
 
 
@@ -263,6 +265,15 @@ def _header(request: h11.Request, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _trace_context(request: h11.Request) -> dict[str, str]:
+    """The client's W3C trace context headers, for the request's span to continue."""
+    return {
+        key.decode("latin-1"): value.decode("latin-1")
+        for key, value in request.headers
+        if key == b"traceparent" or key == b"tracestate"
+    }
 
 
 def _models_body(models: Sequence[tuple[str, str | None]]) -> bytes:

@@ -13,6 +13,15 @@ long between reads. One task (``Relay.watch``, which the listener runs) looks at
 flight a few times per timeout and cancels those whose engine connection has received nothing
 since: a deadline of its own per request cost as much as a socket read.
 
+Traces (when tracing is on; see :mod:`llmgw.tracing`): each model request is a server span named
+as OpenTelemetry's GenAI conventions say (``chat m``, ``text_completion m``, ``embeddings m``),
+continuing the client's ``traceparent``, with the gate's spans beneath it (authentication, quota,
+admission and the routing choice), one ``gateway.upstream`` client span per engine tried (connect,
+send, until the answer's head; its context goes to the engine as ``traceparent``, for engines
+that trace) and ``gateway.relay`` from the head to the answer's end. The first byte to the client
+is an event; the usage and status are attributes. Never the prompt, the answer or a key. Off,
+nothing is built: one check per request.
+
 Retries, on the next upstream in that order: a failed connect, and a connection the engine
 dropped before a byte of answer (an engine dying, or one just started in a killed one's place):
 neither served anything. Once an answer has begun, the request is never sent again — the engine
@@ -28,8 +37,15 @@ from typing import Any
 
 import trio
 
+from llmgw import tracing
 from llmgw.gateway.contract import Gate, RequestRecord, Router, Upstream
-from llmgw.gateway.engine_http import EngineConnection, EngineFailed, request_bytes, request_head
+from llmgw.gateway.engine_http import (
+    EngineConnection,
+    EngineFailed,
+    request_bytes,
+    request_head,
+    with_header,
+)
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.pool import MAX_IDLE_PER_UPSTREAM, UpstreamPool
 from llmgw.gateway.pump import ClientGone, PumpedStream, StreamPump
@@ -47,6 +63,12 @@ _UPSTREAM_FAILURES = (trio.BrokenResourceError, EngineFailed, OSError)
 MAX_CACHED_HEADS = 1024
 # How often the silence watch looks, per upstream timeout: the precision of a cut.
 WATCHES_PER_TIMEOUT = 4
+# gen_ai.operation.name per path (OpenTelemetry's GenAI semantic conventions).
+OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+}
 
 
 class _NoAnswer(Exception):
@@ -124,32 +146,60 @@ class Relay:
         return [(name, self.router.parent(name)) for name in served]
 
     async def forward(
-        self, client: Responder, path: str, body: bytes, authorization: str | None = None
+        self,
+        client: Responder,
+        path: str,
+        body: bytes,
+        authorization: str | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> None:
+        """Answers one model request. ``trace_context``: the client's traceparent (and
+        tracestate) headers, when tracing is on."""
         record = RequestRecord(path=path, started=trio.current_time())
+        span = tracing.NO_SPAN
+        if tracing.enabled():
+            operation = OPERATIONS.get(path, path)
+            span = tracing.start(
+                operation,
+                {"gen_ai.operation.name": operation, "http.request.method": "POST", "url.path": path},
+                parent=trace_context or None,
+                kind="server",
+            )
         ticket = None
         try:
-            caller = self.gate.authenticate(authorization) if self.gate is not None else None
-            payload = _json_object(body)
-            model = payload.get("model")
-            if not isinstance(model, str):
-                raise GatewayError(400, "the body has no 'model' string", code="missing_model")
-            record.model = model
-            if self.gate is not None:
-                if model not in self.router.models():
-                    raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
-                ticket = await self.gate.admit(caller, model, payload, len(body))
-            await self._forward(client, path, payload, body, record, ticket)
-        except GatewayError as error:
-            record.status = error.status
-            await client.error(error)
-            record.completed = True
+            with tracing.use(span):
+                try:
+                    with tracing.span("gateway.authenticate"):
+                        caller = self.gate.authenticate(authorization) if self.gate is not None else None
+                    payload = _json_object(body)
+                    model = payload.get("model")
+                    if not isinstance(model, str):
+                        raise GatewayError(400, "the body has no 'model' string", code="missing_model")
+                    record.model = model
+                    if span is not tracing.NO_SPAN:
+                        _request_attributes(span, model, payload)
+                    if self.gate is not None:
+                        if model not in self.router.models():
+                            raise GatewayError(
+                                404, f"The model '{model}' does not exist", code="model_not_found"
+                            )
+                        ticket = await self.gate.admit(caller, model, payload, len(body))
+                    await self._forward(client, path, payload, body, record, ticket)
+                except GatewayError as error:
+                    record.status = error.status
+                    await client.error(error)
+                    record.completed = True
+                    if error.status >= 500:  # the gateway's failure; a 4xx is the client's
+                        tracing.fail(span, f"{error.status} {error.code}: {error}")
+                finally:
+                    record.finished = trio.current_time()
+                    if ticket is not None:
+                        self.gate.finish(ticket, record)
+                    if self.on_done is not None:
+                        self.on_done(record)
         finally:
-            record.finished = trio.current_time()
-            if ticket is not None:
-                self.gate.finish(ticket, record)
-            if self.on_done is not None:
-                self.on_done(record)
+            if span is not tracing.NO_SPAN:
+                _end_request_span(span, record)
 
     async def _forward(
         self,
@@ -187,7 +237,8 @@ class Relay:
             with scope:
                 pool, connection = await self._send(upstreams, path, body, record, exchange)
                 record.status = connection.status
-                await self._relay_body(client, pool, connection, strip_usage, record)
+                with tracing.span("gateway.relay"):
+                    await self._relay_body(client, pool, connection, strip_usage, record)
         finally:
             self._exchanges.discard(exchange)
         if scope.cancelled_caught:
@@ -222,36 +273,51 @@ class Relay:
             if pool is None:
                 pool = self.pools[key] = UpstreamPool(upstream.host, upstream.port, max_idle=self.max_idle)
             sent = _with_members(body, upstream.body_members) if upstream.body_members else body
-            request = request_bytes(self._head(upstream, path), sent)
-            try:
-                connection = await pool.acquire()
-                record.upstream = upstream
-                if exchange is not None:
-                    exchange.connection = connection
+            attributes = None
+            if tracing.enabled():
+                attributes = {
+                    "server.address": upstream.host,
+                    "server.port": upstream.port,
+                    "llmgw.replica": upstream.replica,
+                }
+            with tracing.span("gateway.upstream", attributes, kind="client") as attempt:
+                head = self._head(upstream, path)
+                if attempt is not tracing.NO_SPAN:
+                    # The engine continues the trace, where it traces (vLLM with an OTLP endpoint).
+                    head = with_header(head, tracing.inject(attempt))
+                request = request_bytes(head, sent)
                 try:
-                    await _exchange(connection, request)
-                except _NoAnswer as dropped:
-                    if not dropped.reused:
-                        raise
-                    # The engine closed this kept-alive connection as we reused it (llama.cpp
-                    # does after a stream): it never read the request, so a fresh one may carry
-                    # it — unless the engine is gone, and then the connect fails like any other.
-                    connection = await pool.connect()
+                    connection = await pool.acquire()
+                    record.upstream = upstream
                     if exchange is not None:
                         exchange.connection = connection
-                    await _exchange(connection, request)
-            except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
-                log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
-                failure = error
-            except _NoAnswer as dropped:
-                # A fresh connection dropped without a byte of answer: an engine dying (or one
-                # just started in its place) that served nothing, so the next may serve it.
-                log.warning(
-                    "%s:%d dropped a request unanswered: %r", upstream.host, upstream.port, dropped.error
-                )
-                failure = dropped.error
-            else:
-                return pool, connection
+                    try:
+                        await _exchange(connection, request)
+                    except _NoAnswer as dropped:
+                        if not dropped.reused:
+                            raise
+                        # The engine closed this kept-alive connection as we reused it (llama.cpp
+                        # does after a stream): it never read the request, so a fresh one may carry
+                        # it — unless the engine is gone, and then the connect fails like any other.
+                        connection = await pool.connect()
+                        if exchange is not None:
+                            exchange.connection = connection
+                        await _exchange(connection, request)
+                except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
+                    log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
+                    tracing.fail(attempt, f"connect: {error}")
+                    failure = error
+                except _NoAnswer as dropped:
+                    # A fresh connection dropped without a byte of answer: an engine dying (or one
+                    # just started in its place) that served nothing, so the next may serve it.
+                    log.warning(
+                        "%s:%d dropped a request unanswered: %r", upstream.host, upstream.port, dropped.error
+                    )
+                    tracing.fail(attempt, f"dropped unanswered: {dropped.error!r}")
+                    failure = dropped.error
+                else:
+                    attempt.set_attribute("http.response.status_code", connection.status)
+                    return pool, connection
             record.upstream = None
         if isinstance(failure, OSError):
             raise GatewayError(502, f"Cannot reach the engine: {failure}", code="upstream_unreachable")
@@ -396,6 +462,34 @@ def _with_members(body: bytes, members: bytes) -> bytes:
     """``body`` (a JSON object) with ``members`` (a JSON object's) set in it, replacing the
     client's own of those names: only the gateway chooses what it selects for the engine."""
     return json.dumps({**json.loads(body), **json.loads(members)}, separators=(",", ":")).encode()
+
+
+def _request_attributes(span: Any, model: str, payload: dict) -> None:
+    """What the request asked for, as the GenAI conventions name it: never its messages."""
+    span.update_name(f"{span.name} {model}")  # "chat m", as the conventions name it
+    span.set_attribute("gen_ai.request.model", model)
+    span.set_attribute("llmgw.stream", payload.get("stream") is True)
+    for member in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(member)
+        if type(value) is int:
+            span.set_attribute("gen_ai.request.max_tokens", value)
+
+
+def _end_request_span(span: Any, record: RequestRecord) -> None:
+    span.set_attribute("http.response.status_code", record.status)
+    if record.upstream is not None:
+        span.set_attribute("llmgw.replica", record.upstream.replica)
+    if record.usage is not None:
+        span.set_attribute("gen_ai.usage.input_tokens", record.usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", record.usage.completion_tokens)
+    now = trio.current_time()
+    if record.first_byte is not None:
+        # A stream's first token; a plain answer's whole body.
+        tracing.event(span, "first_byte", at=tracing.epoch(record.first_byte, now))
+        span.set_attribute("llmgw.time_to_first_byte_ms", (record.first_byte - record.started) * 1000)
+    if not record.completed:
+        tracing.fail(span, "the answer did not reach the client whole")
+    tracing.end(span, end_time=tracing.epoch(record.finished, now))
 
 
 def _json_object(body: bytes) -> dict:

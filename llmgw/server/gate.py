@@ -12,6 +12,10 @@ Room is per replica: each takes its slots at once (fewer when its engine says it
 the gate counts its own requests in flight on each. A model that has a profile but no Ready
 replica — being started, re-adopted after a server restart, or scaled to zero — is no reason to
 refuse: its requests wait in the queue like any other, up to the queue timeout.
+
+Traced (beneath the relay's request span): ``gateway.quota`` (the reservation, failed when
+refused) and ``gateway.admission`` (the wait for room, with the routing choice: policy, replica
+and outcome); the request's span gets the tenant and the key's id, never the key.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from llmgw import tracing
 from llmgw.core.admission import AdmissionLane, Arrival, Go, Rejected
 from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation, estimate_tokens
 from llmgw.core.routing import PREFIX, prefix_key
@@ -107,7 +112,7 @@ class _Lane:
     admission: AdmissionLane
     # Per waiting request: its wake-up, and where it goes once let through.
     woken: dict[int, trio.Event] = attrs.field(factory=dict)
-    chosen: dict[int, tuple[str, tuple[Upstream, ...]]] = attrs.field(factory=dict)
+    chosen: dict[int, tuple[str, tuple[Upstream, ...], str]] = attrs.field(factory=dict)
     adapter_of: dict[int, str] = attrs.field(factory=dict)  # waiting requests that name one
     last_busy: float = -math.inf  # when it last had a request in flight or waiting (trio time)
 
@@ -166,20 +171,37 @@ class ControlPlaneGate:
         quotas = {("tenant", caller.tenant): (tenant.limits if tenant is not None else None) or Limits()}
         if caller.limits is not None:
             quotas[("key", caller.id)] = caller.limits
-        reserved = self._quotas.reserve(quotas, estimate_tokens(payload, body_size), now)
-        if isinstance(reserved, Refused):
-            who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
-            raise GatewayError(
-                429,
-                f"{who} is over its {_LIMIT_NAMES[reserved.limit]} quota; retry after {reserved.retry_after:.0f} s",
-                code="rate_limit_exceeded",
-                retry_after=reserved.retry_after,
-            )
+        traced = tracing.enabled()
+        if traced:
+            request_span = tracing.current()
+            request_span.set_attribute("llmgw.tenant", caller.tenant)
+            request_span.set_attribute("llmgw.key_id", caller.id)
+            if adapter is not None:
+                request_span.set_attribute("llmgw.adapter", adapter)
+        with tracing.span("gateway.quota"):
+            reserved = self._quotas.reserve(quotas, estimate_tokens(payload, body_size), now)
+            if isinstance(reserved, Refused):
+                who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
+                raise GatewayError(
+                    429,
+                    f"{who} is over its {_LIMIT_NAMES[reserved.limit]} quota; retry after {reserved.retry_after:.0f} s",
+                    code="rate_limit_exceeded",
+                    retry_after=reserved.retry_after,
+                )
         ticket = Ticket(
             key=caller, model=model, reservation=reserved, wall_started=time.time(), adapter=adapter
         )
         try:
-            ticket.replica, ticket.upstreams = await self._wait_for_room(caller, model, payload, now, adapter)
+            attributes = {"llmgw.model": model, "llmgw.band": caller.band} if traced else None
+            with tracing.span("gateway.admission", attributes) as waited:
+                ticket.replica, ticket.upstreams, outcome = await self._wait_for_room(
+                    caller, model, payload, now, adapter
+                )
+                if traced:
+                    routes = self._router.routes(model)
+                    waited.set_attribute("llmgw.route.policy", routes.policy if routes is not None else "")
+                    waited.set_attribute("llmgw.route.replica", ticket.replica)
+                    waited.set_attribute("llmgw.route.outcome", outcome)
         except BaseException:
             self._quotas.release(reserved)
             raise
@@ -256,7 +278,7 @@ class ControlPlaneGate:
 
     async def _wait_for_room(
         self, caller: CallerKey, model: str, payload: dict, now: float, adapter: str | None = None
-    ) -> tuple[str, tuple[Upstream, ...]]:
+    ) -> tuple[str, tuple[Upstream, ...], str]:
         lane = self._lanes.get(model)
         if lane is None:
             lane = self._lanes[model] = _Lane(admission=AdmissionLane(MAX_WAITING))
@@ -326,9 +348,10 @@ class ControlPlaneGate:
 
     def _went(
         self, model: str, routes: Routes, go: Go, adapter: str | None = None
-    ) -> tuple[str, tuple[Upstream, ...]]:
-        """The replica charged with a request let through, and the upstreams in the order to
-        try them (for an adapter, those that select it: the lane chose among its servers only)."""
+    ) -> tuple[str, tuple[Upstream, ...], str]:
+        """The replica charged with a request let through, the upstreams in the order to try
+        them (for an adapter, those that select it: the lane chose among its servers only), and
+        the routing outcome (why that replica)."""
         if self.observer is not None:
             self.observer.on_route(model, routes.policy, go.outcome)
         if adapter is not None:
@@ -337,11 +360,11 @@ class ControlPlaneGate:
                 for route in routes.replicas
                 if adapter in route.adapters
             }
-            return go.replica, tuple(by_adapter[rid] for rid in go.order)
+            return go.replica, tuple(by_adapter[rid] for rid in go.order), go.outcome
         if len(routes.replicas) == 1:
-            return go.replica, (routes.replicas[0].upstream,)
+            return go.replica, (routes.replicas[0].upstream,), go.outcome
         by_id = {route.replica: route.upstream for route in routes.replicas}
-        return go.replica, tuple(by_id[rid] for rid in go.order)
+        return go.replica, tuple(by_id[rid] for rid in go.order), go.outcome
 
 
 def _random_salt() -> int:
