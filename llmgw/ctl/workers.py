@@ -13,7 +13,11 @@ from llmgw.ctl.subcommand import ClientFactory, add, add_json_flag
 
 def add_parsers(commands, client: ClientFactory) -> None:
     workers = add(
-        commands, "workers", "list the gateway's worker processes: pid, requests, lease", _workers, client
+        commands,
+        "workers",
+        "list the gateway's worker processes: pid, connections, requests, lease",
+        _workers,
+        client,
     )
     add_json_flag(workers)
 
@@ -31,7 +35,18 @@ def _workers(args: argparse.Namespace, client: ClientFactory) -> int:
 
 def workers_table(workers: list[dict]) -> Table:
     table = Table(box=None, pad_edge=False)
-    for column in ("WORKER", "PID", "STATE", "REQUESTS", "IN FLIGHT", "QUEUED", "LEASE", "RESTARTS"):
+    columns = (
+        "WORKER",
+        "PID",
+        "STATE",
+        "CONNECTIONS",
+        "REQUESTS",
+        "IN FLIGHT",
+        "QUEUED",
+        "LEASE",
+        "RESTARTS",
+    )
+    for column in columns:
         table.add_column(column, justify="right" if column not in ("WORKER", "STATE") else "left")
     for w in workers:
         state = "serving" if w["serving"] else ("connected" if w["connected"] else "not connected")
@@ -42,6 +57,7 @@ def workers_table(workers: list[dict]) -> Table:
             Text(w["id"]),
             Text(str(w["pid"] or "-")),
             Text(state, style="green" if w["serving"] else "red"),
+            Text(str(w.get("connections", 0))),
             Text(f"{w['requests']:,}"),
             Text(str(w["in_flight"])),
             Text(str(w["queued"])),

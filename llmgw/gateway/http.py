@@ -121,6 +121,10 @@ def _always() -> bool:
 
 async def _serve_connection(site: _Site, stream: trio.SocketStream) -> None:
     client = H11Stream(stream, h11.SERVER)
+    metrics = site.metrics
+    if metrics is not None:
+        metrics.connections_open += 1
+        metrics.connections_accepted += 1
     try:
         while await _serve_request(site, client):
             client.conn.start_next_cycle()
@@ -131,6 +135,8 @@ async def _serve_connection(site: _Site, stream: trio.SocketStream) -> None:
     except Exception:
         log.exception("client connection failed")
     finally:
+        if metrics is not None:
+            metrics.connections_open -= 1
         await client.aclose()
 
 

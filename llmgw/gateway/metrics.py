@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw.gateway.contract import RequestRecord
@@ -107,7 +107,11 @@ class GatewayMetrics:
             "llmgw_queue_wait_seconds", "Time requests waited in the admission queue, by model",
             ["model"], buckets=QUEUE_WAIT_BUCKETS, registry=self.registry,
         )  # fmt: skip
-        self.registry.register(_LiveGauges(gate, engines))
+        # Client connections: open now, and accepted since start (kept by gateway.http).
+        self._answer: Callable[[], bytes] | None = None
+        self.connections_open = 0
+        self.connections_accepted = 0
+        self.registry.register(_LiveGauges(gate, engines, self))
         self._by_replica: dict[tuple[str, str], Any] = {}
         self._by_route: dict[tuple[str, str, str], Any] = {}
         self._models: dict[str | None, str] = {None: NO_MODEL}
@@ -180,15 +184,24 @@ class GatewayMetrics:
         return name
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The /metrics answer: this registry's, unless answer_with() handed it to a wider view."""
+        return self._answer() if self._answer is not None else generate_latest(self.registry)
+
+    def answer_with(self, answer: Callable[[], bytes]) -> None:
+        """/metrics answers with ``answer()`` instead: a gateway worker answers for its siblings
+        too (server.worker_metrics)."""
+        self._answer = answer
 
 
 class _LiveGauges:
     """Gauges read at scrape time: the admission queues and the engines' load."""
 
-    def __init__(self, gate: QueueDepths | None, engines: EngineSamples | None) -> None:
+    def __init__(
+        self, gate: QueueDepths | None, engines: EngineSamples | None, owner: GatewayMetrics
+    ) -> None:
         self._gate = gate
         self._engines = engines
+        self._owner = owner
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
@@ -215,7 +228,13 @@ class _LiveGauges:
                 waiting.add_metric(labels, sample.waiting)
                 if sample.saturation is not None:  # unknown is left out, not shown as 0
                     saturation.add_metric(labels, sample.saturation)
-        return [queue, running, waiting, saturation]
+        connections = GaugeMetricFamily("llmgw_gateway_connections", "Client connections open at the gateway")
+        connections.add_metric([], self._owner.connections_open)
+        accepted = CounterMetricFamily(
+            "llmgw_gateway_connections_accepted", "Client connections the gateway accepted"
+        )
+        accepted.add_metric([], self._owner.connections_accepted)
+        return [queue, running, waiting, saturation, connections, accepted]
 
 
 def _engine_family(what: str, help_text: str) -> GaugeMetricFamily:

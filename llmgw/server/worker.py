@@ -53,6 +53,7 @@ from llmgw.server.worker_link import (
     Routes,
     Waiting,
 )
+from llmgw.server.worker_metrics import WRITE_INTERVAL, SharedExposition, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,22 @@ class Worker:
             ttft_targets=self.state.ttft_target,
         )
         self.gate.observer = self.metrics
+        self.shared_metrics = SharedExposition(self.metrics, spec.dir, spec.id, self._info)
+        self.metrics.answer_with(self.shared_metrics.exposition)
         self._control: trio.CancelScope | None = None
+
+    def _info(self) -> WorkerInfo:
+        now = trio.current_time()
+        lease_left = None if self.leases is None else max(0.0, self.leases.expires_at - now)
+        return WorkerInfo(pid=os.getpid(), serving=self.state.fresh(), lease_left=lease_left)
+
+    async def _write_metrics(self) -> None:
+        while True:
+            try:
+                self.shared_metrics.write()
+            except OSError as exc:
+                log.warning("cannot write %s: %s", self.shared_metrics.path, exc)
+            await trio.sleep(WRITE_INTERVAL)
 
     def _note_waiting(self, model: str) -> None:
         try:
@@ -280,6 +296,7 @@ class Worker:
                     )
                 )
                 nursery.start_soon(trio.serve_listeners, self._serve_control, [control])
+                nursery.start_soon(self._write_metrics)
                 log.info(
                     "gateway worker %s (pid %d) on %s:%d",
                     self.spec.id,
@@ -360,10 +377,9 @@ class Worker:
             pid=os.getpid(),
             fresh=self.state.fresh(),
             traffic=traffic_totals(self.metrics.registry),
-            lease_left=None
-            if self.leases is None
-            else max(0.0, self.leases.expires_at - trio.current_time()),
+            lease_left=self._info().lease_left,
             requests=self.requests,
+            connections=self.metrics.connections_open,
             in_flight=tuple(
                 (model, replica, n) for model in models for replica, n in self.gate.in_flight(model).items()
             ),

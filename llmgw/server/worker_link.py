@@ -115,6 +115,7 @@ class Report:
     fresh: bool  # it has had keys and routes: it serves
     requests: int  # answered since the worker started
     lease_left: float | None = None  # seconds its lease still holds; None for a lone worker
+    connections: int = 0  # client connections open now
     # Since the worker started: requests answered, those that failed, TTFT SLO violations.
     traffic: tuple[float, float, float] = (0.0, 0.0, 0.0)
     in_flight: tuple[tuple[str, str, int], ...] = ()  # (model, replica, requests)

@@ -147,6 +147,7 @@ class WorkerPool:
                     "serving": bool(fresh and report.fresh),
                     "restarts": worker.restarts,
                     "requests": report.requests if report else 0,
+                    "connections": report.connections if fresh else 0,
                     "in_flight": sum(n for _, _, n in report.in_flight) if fresh else 0,
                     "queued": sum(n for _, _, n in report.queued) if fresh else 0,
                     "lease_left": report.lease_left if fresh else None,

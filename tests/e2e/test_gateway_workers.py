@@ -2,21 +2,25 @@
 
 - The server killed with -9 under a bounded load and started again: no request fails, no usage
   record is lost, the engine never restarts and the new server adopts the worker (same pid).
-- A worker killed with -9: the server starts it again, and it serves.
+- A worker killed with -9: the server starts it again, and it serves. With two, the clients whose
+  connections the other worker holds see nothing of it.
+- Two workers on one port: a quota holds across both, and whichever answers /metrics shows both.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.test_routing_processes import Fleet, alive, chat, profile
+from tests.e2e.test_routing_processes import MODEL, Fleet, alive, chat, metric_samples, profile
 from tests.procs import Server, wait_until, write_yaml
 
 pytestmark = pytest.mark.slow
@@ -133,6 +137,130 @@ def test_a_killed_worker_is_started_again_and_serves(real_parts, tmp_path):
         fleet.stop()
 
 
+def serving_pid(conn: http.client.HTTPConnection, pids: set[int], gateway_port: int) -> int | None:
+    """Which of ``pids`` holds the server side of the client's connection ``conn``: the socket in
+    /proc/net/tcp whose peer is the client's address, and the process with that socket open."""
+    client_port = conn.sock.getsockname()[1]
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if int(local.split(":")[1], 16) == gateway_port and int(remote.split(":")[1], 16) == client_port:
+            inode = fields[9]
+    if inode is None:
+        return None
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+def keep_alive_chat(fleet: Fleet, conn: http.client.HTTPConnection, prompt: str) -> int | str:
+    """One request on an open keep-alive connection: its status, or the error that ended it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"Authorization": f"Bearer {fleet.key}", "Content-Type": "application/json"},
+        )
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException) as exc:
+        return type(exc).__name__
+
+
+def test_a_killed_worker_costs_only_its_own_connections(real_parts, tmp_path):
+    """Two workers: kill -9 one while clients on both send requests on keep-alive connections.
+    The other's clients see every request answered; the killed one's see their connection end;
+    the server starts a new worker, and new connections are served."""
+    name = "smollm2-cpu"
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)}, gateway={"workers": 2})
+    held: dict[int, list[http.client.HTTPConnection]] = {}
+    try:
+        fleet.start()
+        fleet.wait_ready(name, 1)
+        wait_until(
+            lambda: len(workers(fleet)) == 2 and all(w["serving"] for w in workers(fleet)),
+            "both workers to serve",
+            deadline=60,
+        )
+        states = all_worker_states(fleet)
+        pids = {state["pid"] for state in states.values()}
+        host, port = fleet.gateway
+        # Connections until each worker holds at least two (the kernel hashes them; bounded).
+        held.update({pid: [] for pid in pids})
+        for n in range(40):
+            if all(len(conns) >= 2 for conns in held.values()):
+                break
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            assert keep_alive_chat(fleet, conn, f"Opening {n}: say hi.") == 200
+            pid = serving_pid(conn, pids, port)
+            assert pid is not None, "no worker holds the connection"
+            held[pid].append(conn)
+        assert all(len(conns) >= 2 for conns in held.values()), {p: len(c) for p, c in held.items()}
+        victim, survivor = sorted(pids, key=lambda pid: pid != states["w0"]["pid"])
+
+        outcomes: dict[int, list[int | str]] = {victim: [], survivor: []}
+        lock = threading.Lock()
+        killed = threading.Event()
+
+        def client(pid: int, conn: http.client.HTTPConnection, index: int) -> None:
+            for n in range(6):
+                outcome = keep_alive_chat(fleet, conn, f"Client {index}, request {n}: say hi.")
+                with lock:
+                    outcomes[pid].append(outcome)
+                if outcome != 200:
+                    return  # the connection is gone: this client's next would be a new one
+                if n == 1:
+                    killed.wait(timeout=60)
+
+        threads = [
+            threading.Thread(target=client, args=(pid, conn, i))
+            for pid, conns in held.items()
+            for i, conn in enumerate(conns)
+        ]
+        for thread in threads:
+            thread.start()
+        wait_until(
+            lambda: len(outcomes[survivor]) + len(outcomes[victim]) >= len(threads), "the first answers"
+        )
+        os.kill(victim, signal.SIGKILL)
+        killed.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert outcomes[survivor] and all(o == 200 for o in outcomes[survivor]), outcomes
+        assert any(o != 200 for o in outcomes[victim]), f"the killed worker's clients saw nothing: {outcomes}"
+
+        wait_until(
+            lambda: (
+                len(found := all_worker_states(fleet)) == 2
+                and victim not in {s["pid"] for s in found.values()}
+            ),
+            "a new worker in the killed one's place",
+            deadline=60,
+            proc=fleet.server.proc,
+        )
+        assert survivor in {s["pid"] for s in all_worker_states(fleet).values()}  # never restarted
+        wait_until(
+            lambda: all(w["serving"] for w in workers(fleet)) and len(workers(fleet)) == 2,
+            "both to serve again",
+        )
+        statuses = [chat(fleet, f"After the kill {n}: say hi.")[0] for n in range(6)]
+        assert statuses == [200] * 6, statuses
+    finally:
+        for conns in held.values():
+            for conn in conns:
+                conn.close()
+        fleet.stop()
+
+
 def workers(fleet: Fleet) -> list[dict]:
     return fleet.server.admin("GET", "/admin/v1/workers")["workers"]
 
@@ -166,7 +294,23 @@ def test_two_workers_share_the_port_and_hold_one_quota_between_them(real_parts, 
         assert all(n > 0 for n in served), f"one worker took every connection: {served}"
         assert all(w["lease_left"] is not None and w["lease_left"] > 0 for w in workers(fleet))
         listing = fleet.ctl_ok("workers")
-        assert "w0" in listing and "w1" in listing and "serving" in listing
+        assert "w0" in listing and "w1" in listing and "serving" in listing and "CONNECTIONS" in listing
+        # Whichever worker a scrape reaches (a new connection each), /metrics shows both: their
+        # pids, and their requests, which add up to what was answered.
+        host, port = fleet.gateway
+        pids = {str(w["pid"]) for w in workers(fleet)}
+        for _ in range(6):
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+            conn.close()
+            assert {labels["pid"] for labels, _ in metric_samples(text, "llmgw_gateway_worker_info")} == pids
+            by_worker = {
+                labels["worker"]
+                for labels, _ in metric_samples(text, "llmgw_requests_total")
+                if labels.get("model") == MODEL
+            }
+            assert by_worker == {"w0", "w1"}, text
     finally:
         fleet.stop()
 
