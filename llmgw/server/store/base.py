@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from llmgw.core.leadership import Decision
 from llmgw.server.store import ops
 from llmgw.server.store.rows import (
     AdapterRow,
@@ -109,6 +110,21 @@ class Store(Protocol):
         ``since <= time < until``; either bound may be None. One dict per group, ordered by it:
         the group's values, then requests, prompt_tokens, completion_tokens, total_tokens,
         errors (status not 2xx or 3xx) and avg_latency_ms."""
+
+    async def claim_leadership(
+        self, me: str, address: str, lease: float, force: bool = False
+    ) -> tuple[Decision, int]:
+        """Acquire, renew or follow the leader lease (core.leadership.decide, by the store's
+        clock) in one compare-and-set transaction; ``me`` is recorded live. Returns the decision
+        and the number of live servers (seen within ``lease``, ``me`` included)."""
+
+    async def release_leadership(self, me: str) -> bool:
+        """Frees the lease if ``me`` holds it, so a follower need not wait it out."""
+
+    async def lease_term(self) -> int: ...
+
+    async def raise_lease_term(self, term: int) -> None:
+        """The lease's term, at least ``term`` from now on (a store copied to)."""
 
     async def count_rows(self, table: str) -> int: ...
 
@@ -220,6 +236,20 @@ class SqlStore:
         self, group_by: Sequence[str], since: float | None, until: float | None
     ) -> list[dict]:
         return await self._read(ops.summarise_usage, list(group_by), since, until)
+
+    async def claim_leadership(
+        self, me: str, address: str, lease: float, force: bool = False
+    ) -> tuple[Decision, int]:
+        return await self._write(ops.claim_leadership, me, address, lease, force)
+
+    async def release_leadership(self, me: str) -> bool:
+        return await self._write(ops.release_leadership, me)
+
+    async def lease_term(self) -> int:
+        return await self._read(ops.lease_term)
+
+    async def raise_lease_term(self, term: int) -> None:
+        await self._write(ops.raise_lease_term, term)
 
     async def count_rows(self, table: str) -> int:
         return await self._read(ops.count_rows, table)

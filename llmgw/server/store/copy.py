@@ -1,6 +1,7 @@
 """`llmgw server store copy`: every table of one store into another, verified.
 
-The engine-key secret travels with the rest: engines started before the move hold keys derived
+The leader lease is not copied (the target starts with no leader), but its term is carried up:
+agents refuse commands of a term older than one they have seen. The engine-key secret travels with the rest: engines started before the move hold keys derived
 from it, and a new secret would lock the gateway out of each of them at the moment of the move.
 Verification reads both stores back, table by table: the same count, and the same checksum of
 the rows (order-independent, since the backends may sort text differently).
@@ -105,4 +106,7 @@ async def copy_store(
                 "server and copy again with --force"
             )
         copied.append(want)
+    # Not a table to copy (a new store starts with no leader), but its term must not go back:
+    # agents remember the newest term they have seen and would refuse every smaller one.
+    await target.raise_lease_term(await source.lease_term())
     return copied

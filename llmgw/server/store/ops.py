@@ -14,6 +14,8 @@ from typing import Protocol
 
 import attrs
 
+from llmgw.core import leadership
+from llmgw.core.leadership import Decision, LeaseRow
 from llmgw.server.store.rows import (
     TABLES_BY_NAME,
     USAGE_GROUPS,
@@ -269,6 +271,74 @@ def summarise_usage(tx: Tx, group_by: Sequence[str], since: float | None, until:
             }
         )
     return sorted(result, key=lambda entry: [entry[name] for name in group_by])
+
+
+# --- the leader lease -------------------------------------------------------------------------
+
+# The store's clock, so that servers whose clocks disagree still agree on when a lease ends.
+_NOW = {
+    SQLITE: "SELECT (julianday('now') - 2440587.5) * 86400.0",
+    POSTGRES: "SELECT extract(epoch FROM clock_timestamp())::float8",
+}
+# Holding the row for the rest of the transaction makes a claim a compare-and-set: a second
+# server's claim waits, then reads what the first wrote. (SQLite's write transaction is
+# IMMEDIATE: it holds the whole database already.)
+_LOCK = {SQLITE: "", POSTGRES: " FOR UPDATE"}
+# A server not seen for this long is dropped from the servers table (it is long since not live).
+_FORGET_SERVER_AFTER = 24 * 3600.0
+
+
+def _lease_row(tx: Tx) -> LeaseRow | None:
+    rows = tx.execute(
+        f"SELECT holder, term, expires, address FROM leader_lease WHERE id = 1{_LOCK[tx.dialect]}"
+    )
+    return LeaseRow(rows[0][0], int(rows[0][1]), float(rows[0][2]), rows[0][3]) if rows else None
+
+
+def _write_lease(tx: Tx, row: LeaseRow) -> None:
+    tx.execute(
+        "UPDATE leader_lease SET holder = ?, term = ?, expires = ?, address = ? WHERE id = 1",
+        (row.holder, row.term, row.expires, row.address),
+    )
+
+
+def claim_leadership(tx: Tx, me: str, address: str, lease: float, force: bool) -> tuple[Decision, int]:
+    """Acquire, renew or follow (core.leadership.decide) in one transaction holding the lease's
+    row; also records that ``me`` is live. Returns the decision and how many servers are live
+    (seen within one lease, ``me`` included)."""
+    now = float(tx.execute(_NOW[tx.dialect])[0][0])
+    decision = leadership.decide(_lease_row(tx), now=now, me=me, address=address, lease=lease, force=force)
+    if decision.write is not None:
+        _write_lease(tx, decision.write)
+    tx.execute(
+        "INSERT INTO servers (id, address, seen) VALUES (?, ?, ?) "
+        "ON CONFLICT (id) DO UPDATE SET address = excluded.address, seen = excluded.seen",
+        (me, address, now),
+    )
+    tx.execute("DELETE FROM servers WHERE seen < ?", (now - _FORGET_SERVER_AFTER,))
+    live = int(tx.execute("SELECT count(*) FROM servers WHERE seen > ?", (now - lease,))[0][0])
+    return decision, live
+
+
+def release_leadership(tx: Tx, me: str) -> bool:
+    """Gives the lease up if ``me`` holds it (a clean stop), and leaves the live servers."""
+    now = float(tx.execute(_NOW[tx.dialect])[0][0])
+    freed = leadership.release(_lease_row(tx), now=now, me=me)
+    if freed is not None:
+        _write_lease(tx, freed)
+    tx.execute("DELETE FROM servers WHERE id = ?", (me,))
+    return freed is not None
+
+
+def lease_term(tx: Tx) -> int:
+    rows = tx.execute("SELECT term FROM leader_lease WHERE id = 1")
+    return int(rows[0][0]) if rows else 0
+
+
+def raise_lease_term(tx: Tx, term: int) -> None:
+    """Makes the lease's term at least ``term`` (a store moved to: the agents remember the old
+    store's terms, and would refuse every command of a smaller one)."""
+    tx.execute("UPDATE leader_lease SET term = ? WHERE id = 1 AND term < ?", (term, term))
 
 
 # --- whole tables, for `llmgw server store copy` ----------------------------------------------

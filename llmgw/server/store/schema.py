@@ -143,6 +143,27 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE usage ADD COLUMN adapter TEXT NOT NULL DEFAULT '';
         """,
     ),
+    (
+        7,
+        """
+        -- The leader lease of the servers sharing this store (core/leadership.py): one row,
+        -- there from the start so every claim locks an existing row. holder '' is nobody.
+        CREATE TABLE leader_lease (
+            id {int} PRIMARY KEY CHECK (id = 1),
+            holder TEXT NOT NULL,
+            term {int} NOT NULL,  -- grows on every change of holder; commands carry it
+            expires {real} NOT NULL,  -- the store's clock, unix seconds
+            address TEXT NOT NULL  -- the holder's agent-link address
+        ){strict};
+        INSERT INTO leader_lease (id, holder, term, expires, address) VALUES (1, '', 0, 0, '');
+        -- Every server's last look at the lease: the live ones share the tenants' quotas.
+        CREATE TABLE servers (
+            id TEXT PRIMARY KEY,
+            address TEXT NOT NULL,
+            seen {real} NOT NULL  -- the store's clock
+        ){strict};
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
