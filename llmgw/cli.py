@@ -119,17 +119,22 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 
 def _cmd_gateway_worker(spec_file: Path) -> int:
-    from llmgw.server.worker import load_spec, run_worker
+    from llmgw.server.worker import load_spec, run_worker, worker_tracing
 
     _setup_logging("info")
     try:
         spec = load_spec(spec_file)
     except (OSError, ValueError) as exc:
         return _fail("gateway worker", exc, EXIT_CONFIG)
+    from llmgw import tracing
+
+    tracing.setup(worker_tracing(spec), "worker")
     try:
         return _run_role(run_worker, spec)
     except OSError as exc:  # the port taken by another program, the directory gone
         return _fail("gateway worker", exc, EXIT_CONFIG)
+    finally:
+        tracing.shutdown()  # sends the spans still waiting
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ Behaviour knobs (environment):
   FAKE_ENGINE_FORK_WORKER=1    fork a worker process (same process group) that only sleeps
   FAKE_ENGINE_IGNORE_SIGTERM=1 ignore SIGTERM (it and its worker), so only SIGKILL stops it
   FAKE_ENGINE_RESPONSE_DELAY   seconds each completion takes (to have requests in flight)
+  FAKE_ENGINE_TRACEPARENTS     a file each request's traceparent header is appended to
 Otherwise SIGTERM makes it exit 0.
 """
 
@@ -150,6 +151,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not self.allowed():
             return
+        # Where the test asks: the trace context each request came with, one line each.
+        if (traceparents := os.environ.get("FAKE_ENGINE_TRACEPARENTS")) and self.headers.get("traceparent"):
+            with open(traceparents, "a") as file:
+                file.write(self.headers["traceparent"] + "\n")
         if self.path in ("/v1/chat/completions", "/v1/completions"):
             self.complete(body, chat=self.path == "/v1/chat/completions")
         elif self.path == "/v1/load_lora_adapter":

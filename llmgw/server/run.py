@@ -175,6 +175,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 on_waiting=lambda _model: replicas.kick(),
                 keys_changed=tenants.changes,
                 stop_on_exit=config.gateway.stop_workers_on_exit,
+                tracing=config.tracing,
             )
         front = pool or gate  # who holds the queues the scaler and the admin API read
         async with trio.open_nursery() as nursery:

@@ -29,6 +29,7 @@ import attrs
 import cattrs
 import trio
 
+from llmgw.config import TracingConfig
 from llmgw.core.leases import RENEW_INTERVAL, LeaseGrant, LeaseReport, WorkerLeases
 from llmgw.core.leases import Waiting as LeaseWaiting
 from llmgw.core.scaling import EngineLoad
@@ -70,6 +71,10 @@ class WorkerSpec:
     ttft_target: float
     # Several workers: each admits against its leased shares of quotas and slots (core.leases).
     leased: bool = False
+    # The server's tracing: block; the worker exports its own spans (service llmgw-gateway-worker,
+    # or <service_name>-gateway-worker, its id as service.instance.id). The file is 0600: the
+    # collector's headers are secrets.
+    tracing: TracingConfig = attrs.field(factory=TracingConfig)
 
     @property
     def dir(self) -> Path:
@@ -90,6 +95,14 @@ def spec_path(directory: Path, worker: str) -> Path:
 
 def load_spec(path: Path) -> WorkerSpec:
     return cattrs.structure(json.loads(path.read_text()), WorkerSpec)
+
+
+def worker_tracing(spec: WorkerSpec) -> TracingConfig:
+    """The tracing a worker sets up: the server's, named as a worker's, with its id."""
+    config = spec.tracing
+    name = f"{config.service_name}-gateway-worker" if config.service_name else None
+    resource = {**config.resource_attributes, "service.instance.id": spec.id}
+    return attrs.evolve(config, service_name=name, resource_attributes=resource)
 
 
 class PushedState:

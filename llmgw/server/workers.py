@@ -30,6 +30,7 @@ import attrs
 import cattrs
 import trio
 
+from llmgw.config import TracingConfig
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.leases import LeaseLedger, LeaseReport
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT
@@ -103,8 +104,10 @@ class WorkerPool:
         on_waiting: Callable[[str], None],
         keys_changed: Changes,
         stop_on_exit: bool = False,
+        tracing: TracingConfig | None = None,
     ) -> None:
         self._directory = directory
+        self._tracing = tracing or TracingConfig()
         self._count = count
         self._host = host
         self._port = port
@@ -336,6 +339,7 @@ class WorkerPool:
             queue_timeout=self._queue_timeout,
             ttft_target=self._ttft_target,
             leased=self._count > 1,
+            tracing=self._tracing,
         )
 
     async def _start(self, worker: _Worker) -> None:

@@ -1,8 +1,13 @@
-"""Traces across processes: a real server and a real agent export to an OTLP/HTTP receiver this
-test runs on 127.0.0.1, and a replica's start is one trace with spans from both."""
+"""Traces across processes: a real server, its gateway workers and a real agent export to an
+OTLP/HTTP receiver this test runs on 127.0.0.1. A replica's start is one trace with spans from the
+server and the agent; a client's request, with its traceparent, is one trace from the gateway
+worker that served it, and the engine is handed that trace."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -27,6 +32,7 @@ class Receiver:
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, object]] = []
+        self.instances: dict[bytes, str] = {}  # span id: its process's service.instance.id
         self.headers: list[dict[str, str]] = []
         self.lock = threading.Lock()
         receiver = self
@@ -42,6 +48,8 @@ class Receiver:
                         attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                         for scope in resource_spans.scope_spans:
                             receiver.spans += [(attributes["service.name"], s) for s in scope.spans]
+                            for s in scope.spans:
+                                receiver.instances[s.span_id] = attributes.get("service.instance.id", "")
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200 if self.path == "/v1/traces" else 404)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -116,6 +124,107 @@ def test_a_replica_started_on_a_real_agent_is_one_trace_from_server_to_node(tmp_
         join_token = (server.data_dir / "join-token").read_text().strip().encode()
         assert join_token not in dumped
         assert "collector-s3cret" not in server.proc.output() and "collector-s3cret" not in agent.output()
+    finally:
+        agent.stop()
+        server.proc.stop()
+        kill_recorded_shards(tmp_path / "agent-n1")
+        receiver.close()
+
+
+def attributes_of(span) -> dict:
+    return {a.key: a.value.string_value or a.value.int_value or a.value.bool_value for a in span.attributes}
+
+
+def test_a_request_through_real_gateway_workers_is_one_trace_from_the_client_to_the_engine(tmp_path):
+    receiver = Receiver()
+    tracing = {"endpoint": receiver.url}
+    server = Server(tmp_path, gateway={"workers": 2})
+    config = yaml.safe_load(server.config.read_text())
+    write_yaml(server.config, {**config, "tracing": tracing})
+    server.start()
+    traceparents = tmp_path / "traceparents"
+    engines = {
+        "llama_server": fake_llama_server(tmp_path, traceparents=str(traceparents)),
+        "run_as": None,
+        "stop_grace": "2s",
+    }
+    agent = start_agent(tmp_path, server, "n1", engines=engines)
+    try:
+        wait_until(lambda: server.nodes().get("n1", {}).get("connected"), "the agent")
+        server.admin(
+            "POST",
+            "/admin/v1/catalog",
+            {
+                "models": [{"name": "tiny", "path": "/models/tiny.gguf", "format": "gguf"}],
+                "profiles": [profile("chat")],
+            },
+        )
+        assert server.ctl("tenant", "create", "acme").returncode == 0
+        made = server.ctl("keys", "create", "--tenant", "acme", "--json")
+        assert made.returncode == 0, made.stderr
+        secret = json.loads(made.stdout)["secret"]
+        wait_until(lambda: [r for r in replicas(server, "chat") if r["state"] == "Ready"], "the replica")
+        host, _, port = server.endpoints["gateway"].rpartition(":")
+        trace_ids = [os.urandom(16).hex() for _ in range(4)]
+
+        def ask(trace_id: str, stream: bool) -> int:
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            try:
+                body = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "a prompt"}],
+                    "stream": stream,
+                }
+                conn.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    body=json.dumps(body),
+                    headers={
+                        "Authorization": f"Bearer {secret}",
+                        "traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01",
+                    },
+                )
+                response = conn.getresponse()
+                response.read()
+                return response.status
+            finally:
+                conn.close()
+
+        # The workers may not have the route yet when the replica just became Ready: requests
+        # wait in their queue for it, so the first answer is a 200 too.
+        assert [ask(t, stream=i % 2 == 1) for i, t in enumerate(trace_ids)] == [200] * 4
+
+        def traced() -> dict[str, list]:
+            with receiver.lock:
+                found = {
+                    t: [(svc, s) for svc, s in receiver.spans if s.trace_id.hex() == t] for t in trace_ids
+                }
+            return found if all(any(s.name == "gateway.relay" for _, s in v) for v in found.values()) else {}
+
+        by_trace = wait_until(traced, "the workers' spans of every request")
+        for in_trace in by_trace.values():
+            assert {svc for svc, _ in in_trace} == {"llmgw-gateway-worker"}
+            instances = {receiver.instances[s.span_id] for _, s in in_trace}
+            assert len(instances) == 1 and instances <= {"w0", "w1"}  # one worker served it
+            by_name = {s.name: s for _, s in in_trace}
+            root = by_name["chat tiny"]
+            attributes = attributes_of(root)
+            assert attributes["gen_ai.request.model"] == "tiny" and attributes["llmgw.tenant"] == "acme"
+            assert (
+                attributes["gen_ai.usage.input_tokens"] == 5 and attributes["gen_ai.usage.output_tokens"] == 6
+            )
+            ids = {s.span_id: s for _, s in in_trace}
+            for child in ("gateway.authenticate", "gateway.quota", "gateway.admission", "gateway.upstream"):
+                assert ids[by_name[child].parent_span_id].name == "chat tiny", child
+        # The engine was handed each request's trace, as a child of the worker's attempt.
+        handed = {line.split("-")[1]: line.split("-")[2] for line in traceparents.read_text().split()}
+        assert set(handed) == set(trace_ids)
+        for trace_id, in_trace in by_trace.items():
+            [attempt] = [s for _, s in in_trace if s.name == "gateway.upstream"]
+            assert handed[trace_id] == attempt.span_id.hex()
+        with receiver.lock:
+            dumped = b"".join(span.SerializeToString() for _, span in receiver.spans)
+        assert secret.encode() not in dumped and b"a prompt" not in dumped
     finally:
         agent.stop()
         server.proc.stop()
