@@ -837,7 +837,7 @@ MODEL = "models:\n  m: {path: org/m, format: safetensors}\n"
         ("models:\n  m: {path: a.gguf}\n", "server.yaml: models.m.format: required option is missing"),
         (MODEL + PROFILE + "    gpus: 2\n", "server.yaml: profiles.chat.gpus: unknown key (expected one of: model, "
          "engine, gpu_class, engine_version, gpus_per_node, nodes, tensor_parallel, pipeline_parallel, memory_mib, cpu_cores, "
-         "launcher, flags, adapters, ctx_size, parallel, dtype, quantization, min_replicas, max_replicas, band, "
+         "launcher, flags, adapters, max_loaded_adapters, max_lora_rank, ctx_size, parallel, dtype, quantization, min_replicas, max_replicas, band, "
          "startup_timeout, ttft_target, spread, routing, routing_load_factor, routing_prefix_chars, "
          "scale_to_zero_after)"),
         (MODEL + PROFILE, "server.yaml: profiles.chat.memory_mib: required option is missing"),

@@ -64,6 +64,10 @@ class Profile:
     launcher: str = "mp"  # one of the engine's launchers
     flags: tuple[str, ...] = ()  # extra argv tokens for the engine
     adapters: tuple[Adapter, ...] = ()
+    # Load adapters at run time, at most this many per replica (the engine's runtime LoRA API;
+    # llmgw.core.adapter_residency decides which and where), instead of all of them at start.
+    max_loaded_adapters: int | None = None
+    max_lora_rank: int | None = None  # the highest rank among its adapters; None: the engine's default
     ctx_size: int | None = None
     parallel: int | None = None
     dtype: str | None = None
@@ -175,11 +179,32 @@ def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[
             ("min_replicas", f"{profile.min_replicas} is above max_replicas {profile.max_replicas}")
         )
     reasons.extend(_adapter_reasons(profile))
+    reasons.extend(_on_demand_reasons(profile, engine))
     if profile.engine_version is not None:
         if engine.installed_build is None:
             reasons.append(("engine_version", f"agents install llama.cpp builds only, not {name}"))
         elif problem := installs.version_problem(profile.engine_version):
             reasons.append(("engine_version", problem))
+    return reasons
+
+
+def _on_demand_reasons(profile: Profile, engine: Engine) -> list[tuple[str, str]]:
+    reasons = []
+    if profile.max_loaded_adapters is not None:
+        if engine.runtime_adapters is None:
+            reasons.append(
+                (
+                    "max_loaded_adapters",
+                    f"{engine.display_name} loads adapters at start only: list them, without this key",
+                )
+            )
+        elif profile.max_loaded_adapters < 1:
+            reasons.append(("max_loaded_adapters", f"must be at least 1, not {profile.max_loaded_adapters}"))
+    if profile.max_lora_rank is not None:
+        if profile.max_loaded_adapters is None:
+            reasons.append(("max_lora_rank", "applies with max_loaded_adapters only"))
+        elif profile.max_lora_rank < 1:
+            reasons.append(("max_lora_rank", f"must be at least 1, not {profile.max_lora_rank}"))
     return reasons
 
 

@@ -387,7 +387,10 @@ def to_shard_specs(
                 dtype=profile.dtype,
                 quantization=profile.quantization,
                 extra_flags=profile.flags,
-                adapters=profile.adapters,
+                # On demand, the engine starts with none: the gateway has them loaded as wanted.
+                adapters=() if profile.max_loaded_adapters else profile.adapters,
+                max_loaded_adapters=profile.max_loaded_adapters,
+                max_lora_rank=profile.max_lora_rank,
                 # One node's ranks talk over NVLink or PCIe; only a multi-node shard uses the fabric.
                 fabric=node.rdma if profile.nodes > 1 else Fabric(),
             )

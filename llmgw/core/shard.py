@@ -103,6 +103,10 @@ class ShardSpec:
     quantization: str | None = None  # e.g. "fp8"
     extra_flags: tuple[str, ...] = ()  # the profile's flags, as argv tokens
     adapters: tuple[Adapter, ...] = ()
+    # Adapters loaded at run time instead (the profile's max_loaded_adapters): the engine starts
+    # with none and room for this many, of ranks up to max_lora_rank (None: the engine's default).
+    max_loaded_adapters: int | None = None
+    max_lora_rank: int | None = None
     fabric: Fabric = Fabric()
 
 

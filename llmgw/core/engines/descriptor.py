@@ -51,6 +51,37 @@ Planner = Callable[..., LaunchPlan]
 
 
 @attrs.frozen(kw_only=True)
+class RuntimeAdapters:
+    """An engine's HTTP API for loading and unloading adapters while it runs (a profile's
+    ``max_loaded_adapters``), and how it says which it holds."""
+
+    load_path: str  # POST {"lora_name", "lora_path"}
+    unload_path: str  # POST {"lora_name"}
+    list_path: str = "/v1/models"  # GET: the base model and each adapter it holds
+
+    def load_body(self, name: str, path: str) -> dict[str, str]:
+        return {"lora_name": name, "lora_path": path}
+
+    def unload_body(self, name: str) -> dict[str, str]:
+        return {"lora_name": name}
+
+    def held(self, listing: Any, model: str) -> list[str]:
+        """The adapters in a decoded ``list_path`` answer: OpenAI's model list, whose entries
+        other than the base model ``model`` are the adapters it holds (each with ``parent``
+        naming the base, where the engine says)."""
+        entries = listing.get("data") if isinstance(listing, Mapping) else None
+        if not isinstance(entries, list):
+            raise ValueError("the model list has no 'data' list")
+        names = []
+        for entry in entries:
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("id"), str):
+                continue
+            if entry["id"] != model and entry.get("parent") in (None, model):
+                names.append(entry["id"])
+        return sorted(names)
+
+
+@attrs.frozen(kw_only=True)
 class Engine:
     name: str  # what catalogs and shard specs say: "vllm"
     display_name: str  # what people read: "vLLM"
@@ -77,6 +108,8 @@ class Engine:
     # it. None: the request's `model` alone selects it, as vLLM and SGLang serve each adapter
     # under its name.
     select_adapter: Callable[[Sequence[str], str | None], Mapping[str, Any]] | None = None
+    # Its API for adapters loaded while it runs; None: adapters are given at start only.
+    runtime_adapters: RuntimeAdapters | None = None
     metrics: EngineMetrics  # its load, from /metrics: for routing, scaling and drains
     help: HelpCheck
 

@@ -16,7 +16,13 @@ from llmgw.core.engines.common import (
     fp8_dtype_reasons,
     reserved_share,
 )
-from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck, directory_of_copy
+from llmgw.core.engines.descriptor import (
+    Engine,
+    EngineMetrics,
+    HelpCheck,
+    RuntimeAdapters,
+    directory_of_copy,
+)
 from llmgw.core.shard import Command, LaunchPlan, ShardSpec
 from llmgw.core.training import PEFT_FILES
 
@@ -26,6 +32,9 @@ DISPLAY_NAME = "SGLang"
 # 10 GiB on a card above 60 GiB, by its estimate about a sixth of an 80 GB card. As much is taken
 # off the reservation, so that the whole process stays inside what placement reserved.
 OUTSIDE_STATIC_SHARE = 0.17
+# The rank an adapter loaded at run time may have when the profile says none: peft's default r
+# is 8, and 16 is vLLM's default too.
+DEFAULT_LORA_RANK = 16
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -58,7 +67,19 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
         builtins += ["--dtype", spec.dtype]
     if spec.quantization is not None:
         builtins += ["--quantization", spec.quantization]
-    if spec.adapters:
+    if spec.max_loaded_adapters:
+        # Loaded at run time: none at start, so SGLang cannot infer the rank or the modules from
+        # them, and needs both said. As many in a batch as it holds (--max-loaded-loras may not
+        # be below --max-loras-per-batch).
+        n = str(spec.max_loaded_adapters)
+        builtins += [
+            "--enable-lora",
+            "--max-loaded-loras", n,
+            "--max-loras-per-batch", n,
+            "--max-lora-rank", str(spec.max_lora_rank or DEFAULT_LORA_RANK),
+            "--lora-target-modules", "all",
+        ]  # fmt: skip
+    elif spec.adapters:
         builtins += ["--enable-lora", "--lora-paths", *(f"{a.name}={a.path}" for a in spec.adapters)]
     if engine_key and serves_http:
         # SGLang is the one engine whose key must go on the command line: it reads no environment
@@ -99,6 +120,9 @@ ENGINE = Engine(
     validate=validate,
     adapter_files=PEFT_FILES,
     adapter_path=directory_of_copy,
+    # Its LoRA endpoints have no /v1 (fixtures/engine-help/README.md); its /v1/models lists the
+    # adapters it holds beside the base model, as vLLM's does.
+    runtime_adapters=RuntimeAdapters(load_path="/load_lora_adapter", unload_path="/unload_lora_adapter"),
     # Only exposed with --enable-metrics; token_usage is the KV pool's fill, 0..1.
     metrics=EngineMetrics(
         "sglang", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)
@@ -113,6 +137,10 @@ ENGINE = Engine(
         widest_specs=(
             ("SGLang 2 nodes, rank 0", samples.two_nodes("sglang", 0)),
             ("SGLang 2 nodes, rank 1", samples.two_nodes("sglang", 1)),
+            (
+                "SGLang, adapters loaded at run time",
+                samples.base("sglang", max_loaded_adapters=4, max_lora_rank=64),
+            ),
         ),
     ),
 )

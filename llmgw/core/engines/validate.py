@@ -166,6 +166,11 @@ def _flags_and_names(spec: ShardSpec, engine: Engine) -> list[str]:
                 f"extra flag {token.split('=', 1)[0]} would replace the key llmgw gives the replica, "
                 "and the router would be locked out"
             )
+    if spec.max_loaded_adapters is not None:
+        if engine.runtime_adapters is None:
+            reasons.append(f"{engine.display_name} cannot load adapters at run time (max_loaded_adapters)")
+        elif spec.max_loaded_adapters < 1:
+            reasons.append(f"max_loaded_adapters must be at least 1, not {spec.max_loaded_adapters}")
     names = [adapter.name for adapter in spec.adapters]
     for name in sorted({n for n in names if names.count(n) > 1}):
         reasons.append(f"adapter name {name!r} is given twice")

@@ -15,7 +15,13 @@ from llmgw.core.engines.common import (
     fp8_dtype_reasons,
     reserved_share,
 )
-from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck, directory_of_copy
+from llmgw.core.engines.descriptor import (
+    Engine,
+    EngineMetrics,
+    HelpCheck,
+    RuntimeAdapters,
+    directory_of_copy,
+)
 from llmgw.core.shard import Command, LaunchPlan, ShardSpec
 from llmgw.core.training import PEFT_FILES
 
@@ -24,6 +30,10 @@ DISPLAY_NAME = "vLLM"
 # whole card runs as it would unset, and the CUDA context and allocator keep the slack they need
 # beyond vLLM's budget.
 MAX_MEMORY_UTILIZATION = 0.92
+# `--max-lora-rank {1,8,16,32,64,128,256,320,512}` (default 16) in 0.33's help: a rank between
+# two choices takes the larger.
+LORA_RANK_CHOICES = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_LORA_RANK = 16
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -124,9 +134,27 @@ def _serve_flags(spec: ShardSpec) -> list[str]:
         flags += ["--dtype", spec.dtype]
     if spec.quantization is not None:
         flags += ["--quantization", spec.quantization]
-    if spec.adapters:
+    if spec.max_loaded_adapters:
+        # Loaded at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, in the environment): room for
+        # this many in one batch, and none registered at start.
+        flags += [
+            "--enable-lora",
+            "--max-loras", str(spec.max_loaded_adapters),
+            "--max-lora-rank", str(lora_rank_choice(spec.max_lora_rank)),
+        ]  # fmt: skip
+    elif spec.adapters:
         flags += ["--enable-lora", "--lora-modules", *(f"{a.name}={a.path}" for a in spec.adapters)]
     return flags
+
+
+def lora_rank_choice(rank: int | None) -> int:
+    """The least of vLLM's --max-lora-rank choices that holds ``rank`` (its default without one)."""
+    if rank is None:
+        return DEFAULT_LORA_RANK
+    for choice in LORA_RANK_CHOICES:
+        if rank <= choice:
+            return choice
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest, {LORA_RANK_CHOICES[-1]}")
 
 
 def _serve_argv(spec: ShardSpec, binaries: EngineBinaries, builtins: list[str]) -> tuple[str, ...]:
@@ -146,6 +174,9 @@ def _node_env(spec: ShardSpec) -> dict[str, str]:
 
 def _engine_env(spec: ShardSpec, engine_key: str | None) -> dict[str, str]:
     env = _node_env(spec)
+    if spec.max_loaded_adapters:
+        # Without it vLLM has no /v1/load_lora_adapter (nor unload).
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if engine_key:
         # In the environment: a command line is readable by every user of the node.
         env["VLLM_API_KEY"] = engine_key
@@ -159,6 +190,8 @@ def memory_share(spec: ShardSpec) -> int | None:
 
 def validate(spec: ShardSpec) -> list[str]:
     reasons = fp8_dtype_reasons(spec, DISPLAY_NAME)
+    if spec.max_loaded_adapters and (spec.max_lora_rank or 0) > LORA_RANK_CHOICES[-1]:
+        reasons.append(f"max_lora_rank {spec.max_lora_rank} is above vLLM's largest, {LORA_RANK_CHOICES[-1]}")
     if memory_share(spec) == 0:
         card_mib = min(gpu.memory_total_mib for gpu in spec.gpus)
         reasons.append(
@@ -178,6 +211,10 @@ ENGINE = Engine(
     launchers=("mp", "ray"),
     adapter_files=PEFT_FILES,
     adapter_path=directory_of_copy,
+    # /v1/models lists each adapter it holds, with `parent` naming the base model.
+    runtime_adapters=RuntimeAdapters(
+        load_path="/v1/load_lora_adapter", unload_path="/v1/unload_lora_adapter"
+    ),
     # vLLM < 0.10 called its KV gauge gpu_cache_usage_perc.
     metrics=EngineMetrics(
         "vllm",
@@ -198,6 +235,10 @@ ENGINE = Engine(
             ("vLLM mp 2 nodes, rank 1 (headless)", samples.two_nodes("vllm", 1)),
             ("vLLM Ray 2 nodes, leader", samples.two_nodes("vllm", 0, launcher="ray")),
             ("vLLM Ray 2 nodes, worker", samples.two_nodes("vllm", 1, launcher="ray")),
+            (
+                "vLLM, adapters loaded at run time",
+                samples.base("vllm", max_loaded_adapters=4, max_lora_rank=64),
+            ),
         ),
     ),
 )
