@@ -37,6 +37,10 @@ ensure_test_packages() {
   [ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
   # PostgreSQL's initdb and pg_ctl: the store tests start a throwaway cluster of their own.
   ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing+=(postgresql)
+  # A real sshd (and the ssh client): `ctl node add` onboards nodes over SSH in the tests. The
+  # tests run their own sshd in a namespace; the package's own service is not what they use.
+  [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "missing ${missing[*]}: install them (the tests that need them fail without)" >&2

@@ -22,6 +22,8 @@ scripts/build-binary.sh
 echo "==> pytest"
 # The REQUIRE variables turn "part missing" skips into failures: here, everything must run
 # (LLMGW_REQUIRE_NETNS: the fleet tests, which need root and `ip netns`; LLMGW_REQUIRE_POSTGRES:
-# the store tests on PostgreSQL, which need Debian's postgresql).
+# the store tests on PostgreSQL, which need Debian's postgresql; LLMGW_REQUIRE_SSHD: `node add`
+# against a real sshd, Debian's openssh-server).
 LLMGW_REQUIRE_BINARY=1 LLMGW_REQUIRE_REAL_PARTS=1 LLMGW_REQUIRE_NETNS=1 LLMGW_REQUIRE_POSTGRES=1 \
+  LLMGW_REQUIRE_SSHD=1 \
   .venv/bin/python -m pytest -q "$@"

@@ -1,7 +1,7 @@
 """The user engines run as: an unprivileged one when the agent is root and that user exists.
 
 An engine runs model code from the internet (custom modelling files, tokenizer code) and serves
-a port on every address of the node; as root, a flaw in either is the whole node. ``llmgw node
+a port on every address of the node; as root, a flaw in either is the whole node. ``llmgw ctl node
 add`` makes the user, in the video and render groups so that it can open the GPUs.
 """
 
@@ -44,7 +44,7 @@ def resolve(run_as: str | None, work_dir: Path) -> tuple[EngineUser, str]:
     except KeyError:
         return _user(own, work_dir, switch=False), (
             f"there is no user {run_as!r} on this node, so engines run as root "
-            f"(`llmgw node add` makes it, or: useradd --system -G video,render {run_as})"
+            f"(`llmgw ctl node add` makes it, or: useradd --system --user-group -G video,render {run_as})"
         )
     return _user(entry, work_dir, switch=True), ""
 

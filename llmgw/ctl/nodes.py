@@ -1,11 +1,12 @@
-"""``llmgw ctl nodes`` and ``llmgw ctl node show|ping``: the fleet's nodes."""
+"""``llmgw ctl nodes`` and ``llmgw ctl node show|ping|add``: the fleet's nodes (add is
+:mod:`llmgw.ctl.node_add`)."""
 
 from __future__ import annotations
 
 import argparse
 from urllib.parse import quote
 
-from llmgw.ctl import render
+from llmgw.ctl import node_add, render
 from llmgw.ctl.subcommand import EXIT_ERROR, ClientFactory, add, add_json_flag, detail, listing
 
 
@@ -14,7 +15,7 @@ def add_parsers(commands, client: ClientFactory) -> None:
     add_json_flag(nodes)
 
     node = commands.add_parser(
-        "node", help="one node: show, ping", description="Commands about a single node."
+        "node", help="one node: show, ping, add", description="Commands about a single node."
     )
     node_commands = node.add_subparsers(dest="node_command", metavar="COMMAND", required=True)
     show = add(node_commands, "show", "a node's details: GPUs, RDMA ports, state", _node_show, client)
@@ -29,6 +30,7 @@ def add_parsers(commands, client: ClientFactory) -> None:
     )
     ping.add_argument("name", metavar="NAME", help="the node's name, as `llmgw ctl nodes` lists it")
     add_json_flag(ping)
+    node_add.add_parser(node_commands, client)
 
 
 def _nodes(args: argparse.Namespace, client: ClientFactory) -> int:
