@@ -396,13 +396,20 @@ class AgentLink:
     async def _execute_job(self, command: StartJob | CancelJob) -> CommandResult:
         if self._jobs is None:
             return CommandResult(reply_to=command.id, ok=False, message="this agent trains no adapters")
-        match command:
-            case StartJob(spec=spec):
-                log.info("start job %s (adapter %s of %s)", spec.job_id, spec.adapter, spec.model)
-                ok, message = await self._jobs.start(spec)
-            case CancelJob(job_id=job_id, grace=grace):
-                log.info("cancel job %s", job_id)
-                ok, message = await self._jobs.cancel(job_id, grace)
+        # The server's trace of the job goes on here; the trainer's steps are beneath this span.
+        name = "agent.start_job" if isinstance(command, StartJob) else "agent.cancel_job"
+        job = command.spec.job_id if isinstance(command, StartJob) else command.job_id
+        attributes = {"llmgw.node": self.node, "llmgw.job": job}
+        with tracing.span(name, attributes, parent=command.trace or None, kind="server") as span:
+            match command:
+                case StartJob(spec=spec):
+                    log.info("start job %s (adapter %s of %s)", spec.job_id, spec.adapter, spec.model)
+                    ok, message = await self._jobs.start(spec)
+                case CancelJob(job_id=job_id, grace=grace):
+                    log.info("cancel job %s", job_id)
+                    ok, message = await self._jobs.cancel(job_id, grace)
+            if not ok:
+                tracing.fail(span, message)
         return CommandResult(reply_to=command.id, ok=ok, message=message)
 
     async def _execute_adapter(self, command: PutAdapter | AdapterDone) -> CommandResult:

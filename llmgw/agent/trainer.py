@@ -29,6 +29,12 @@ Failed. A conversion or upload cut short by the restart is done again.
 
 What to start, what the child's events and end mean, and when to report are decided in
 :mod:`llmgw.core.train_run`; this module does the processes, files and messages.
+
+Traced (when tracing is on): a job's run is ``train.run``, a child of the StartJob command's span
+(so of the server's trace of the job), from its start to its teardown (failed with the reason),
+with a span per step: ``train.prepare``, ``train.train`` (the child, with its steps, loss and
+peak memory as attributes), ``train.convert``, ``train.upload``. An adopted job's run is a trace
+of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from typing import Any
 import attrs
 import trio
 
+from llmgw import tracing
 from llmgw.agent import runas, state_file
 from llmgw.agent.processes import (
     KILL_WAIT,
@@ -187,6 +194,7 @@ class _Job:
     ended: tuple[str, str] | None = None  # (Failed, Cancelled or _UPLOADED; reason), set once
     grace: float = FAILED_GRACE
     done: trio.Event = attrs.field(factory=trio.Event)
+    span: Any = tracing.NO_SPAN  # train.run, until the teardown
 
     @property
     def layout(self) -> JobLayout:
@@ -269,6 +277,7 @@ class Trainer:
         if not choice.ok:
             return self._refuse(spec, choice.refusal)
         job = _Job(spec=spec, directory=self._jobs_dir / spec.job_id, device=choice.label, choice=choice)
+        job.span = _run_span(job)  # beneath the StartJob command's span, current here
         self._jobs[spec.job_id] = job
         log.info(
             "starting job %s (adapter %s of %s) on %s", spec.job_id, spec.adapter, spec.model, job.device
@@ -314,16 +323,23 @@ class Trainer:
     async def _run_job(self, job: _Job) -> None:
         """Runs a job to its end, then tears it down. Only an _end reaches the teardown: a
         cancellation of run() leaves the child running for the next agent."""
-        with job.scope:
+        with job.scope, tracing.use(job.span):
             try:
                 if not job.adopted:
-                    await self._launch(job)
+                    with tracing.span("train.prepare"):
+                        await self._launch(job)
                 if not job.progress.done:
-                    await self._train(job)
+                    with tracing.span("train.train") as trained:
+                        try:
+                            await self._train(job)
+                        finally:
+                            _progress_attributes(trained, job.progress)
                 files = [name for name in job.progress.files]
                 if job.spec.gguf:
-                    files.append(await self._convert(job))
-                await self._upload(job, files)
+                    with tracing.span("train.convert"):
+                        files.append(await self._convert(job))
+                with tracing.span("train.upload", {"llmgw.files": len(files)} if tracing.enabled() else None):
+                    await self._upload(job, files)
                 self._end(job, _UPLOADED, "")
             except _JobFailed as exc:
                 self._end(job, JobState.FAILED, str(exc))
@@ -508,6 +524,8 @@ class Trainer:
                 job.pidfd = None
             await trio.to_thread.run_sync(shutil.rmtree, job.directory, True)
         del self._jobs[job.spec.job_id]
+        job.span.set_attribute("llmgw.state", state)
+        tracing.end(job.span, error=reason if state == JobState.FAILED else None)
         if state == _UPLOADED:
             log.info("job %s: its files are sent", job.spec.job_id)
         else:
@@ -546,6 +564,7 @@ class Trainer:
                 await trio.to_thread.run_sync(shutil.rmtree, directory, True)
                 continue
             job = _Job(spec=record.spec, directory=directory, device=record.device, choice=None, adopted=True)
+            job.span = _run_span(job)
             job.record = record
             self._jobs[record.spec.job_id] = job
             why_not = await self._adopt(job)
@@ -656,6 +675,28 @@ async def _spawn(
         os.close(out_fd)
         if err_fd != out_fd:
             os.close(err_fd)
+
+
+def _run_span(job: _Job) -> Any:
+    if not tracing.enabled():
+        return tracing.NO_SPAN
+    spec = job.spec
+    attributes = {
+        "llmgw.job": spec.job_id,
+        "llmgw.adapter": spec.adapter,
+        "llmgw.model": spec.model,
+        "llmgw.device": job.device,
+        "llmgw.adopted": job.adopted,
+    }
+    return tracing.start("train.run", attributes)  # an adopted job's: no span is current
+
+
+def _progress_attributes(span: Any, progress: Progress) -> None:
+    if span.is_recording():
+        span.set_attribute("llmgw.train.steps", progress.step)
+        span.set_attribute("llmgw.train.peak_mib", progress.peak_mib)
+        if progress.loss is not None:
+            span.set_attribute("llmgw.train.loss", progress.loss)
 
 
 def _record(name: str, process: trio.Process, argv: Sequence[str]) -> ProcessRecord:

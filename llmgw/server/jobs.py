@@ -11,6 +11,12 @@ The files of a job arrive as pieces on its node's link into ``<data_dir>/adapter
 ``<data_dir>/adapters/<adapter>/`` and the adapter and the job's Succeeded are written in one
 transaction; only then is the adapter listed. A crash between the rename and the commit leaves a
 directory no row names, which the next start removes with whatever is in ``.incoming``.
+
+Traced (when tracing is on): a job created by this server is a trace, ``train.job``, from its
+creation to its end (failed with the reason when it fails), with a span per step as the server
+sees it — ``job.queue`` (Pending), ``job.sent``, ``job.train``, ``job.convert``, ``job.upload`` —
+and ``job.start``, the StartJob command, whose context the agent continues with the steps as
+its node runs them. A job loaded from the store began its trace in an earlier server: untraced.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from llmgw import tracing
 from llmgw.core import engines
 from llmgw.core import jobs as core
 from llmgw.core.liveness import NodeState
@@ -58,6 +65,20 @@ COMMAND_TIMEOUT = 15.0
 # The grace the agent gives the child between SIGTERM and SIGKILL on cancel.
 CANCEL_GRACE = 10.0
 REQUEST_FIELDS = ("model", "node", "adapter", "base_dir", "need_mib", "params", "gguf", "pairs")
+# The span of each step of a job, as the server sees it (see the module's text).
+STEP_SPANS = {
+    JobState.PENDING: "job.queue",
+    JobState.SENT: "job.sent",
+    JobState.TRAINING: "job.train",
+    JobState.CONVERTING: "job.convert",
+    JobState.UPLOADING: "job.upload",
+}
+
+
+@attrs.define(eq=False)
+class _JobTrace:
+    root: object
+    step: object = tracing.NO_SPAN
 
 
 class JobError(Exception):
@@ -114,6 +135,7 @@ class JobManager:
         self._dirty: set[str] = set()
         self._write_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
+        self._traces: dict[str, _JobTrace] = {}  # jobs this server created, while they last
         # Bumped when a job changes or a node comes or goes: the pass may have work.
         self.changes = Changes()
         registry.watchers.append(self)
@@ -267,9 +289,16 @@ class JobManager:
 
     async def _send_start(self, job_id: str) -> None:
         job = self._jobs[job_id]
+        trace = self._traces.get(job_id)
+        parent = trace.step if trace is not None else tracing.NO_SPAN
         try:
-            with trio.fail_after(COMMAND_TIMEOUT):
-                reply = await self._registry.call(job.node, StartJob(id=0, spec=job.spec))
+            with (
+                trio.fail_after(COMMAND_TIMEOUT),
+                tracing.use(parent),
+                tracing.span("job.start", {"llmgw.node": job.node}, kind="client"),
+            ):
+                command = StartJob(id=0, spec=job.spec, trace=tracing.inject() if trace is not None else {})
+                reply = await self._registry.call(job.node, command)
         except NodeUnavailable:
             self._set(core.unsend(self._jobs[job_id]), self._jobs[job_id])  # never left: try again
             return
@@ -390,6 +419,7 @@ class JobManager:
             log.info("job %s: ended while its adapter was being kept; it succeeded", job.id)
         self._adapters[adapter.name] = adapter
         self._jobs[job.id] = done
+        self._trace(done, job)
         self._dirty.discard(job.id)
         self.changes.bump()
         log.info(
@@ -438,6 +468,7 @@ class JobManager:
         self._jobs[after.id] = after
         if before is not None and after == before:
             return
+        self._trace(after, before)
         progress_only = (
             before is not None
             and attrs.evolve(
@@ -466,6 +497,32 @@ class JobManager:
             if path.exists():
                 _remove(path)  # nothing of a failed upload is kept
         self.changes.bump()
+
+    def _trace(self, after: core.Job, before: core.Job | None) -> None:
+        """Moves the job's trace on: a step's span ends when its state does."""
+        if not tracing.enabled():
+            return
+        trace = self._traces.get(after.id)
+        if trace is None:
+            if before is not None:
+                return  # loaded from the store, or created before tracing was on
+            attributes = {
+                "llmgw.job": after.id,
+                "llmgw.adapter": after.spec.adapter,
+                "llmgw.model": after.spec.model,
+                "llmgw.node": after.node,
+            }
+            trace = self._traces[after.id] = _JobTrace(tracing.start("train.job", attributes))
+        elif before is not None and after.state == before.state:
+            return  # progress inside a step
+        failed = after.reason if after.state == JobState.FAILED else None
+        tracing.end(trace.step, error=failed)
+        if after.terminal:
+            trace.root.set_attribute("llmgw.state", str(after.state))
+            del self._traces[after.id]
+            tracing.end(trace.root, error=failed)
+        else:
+            trace.step = tracing.start(STEP_SPANS[after.state], parent=trace.root)
 
     def _spawn(self, fn, *args) -> None:
         if self._nursery is None:

@@ -230,3 +230,62 @@ def test_a_request_through_real_gateway_workers_is_one_trace_from_the_client_to_
         server.proc.stop()
         kill_recorded_shards(tmp_path / "agent-n1")
         receiver.close()
+
+
+def test_a_training_job_is_one_trace_with_a_span_per_step_on_the_server_and_the_node(tmp_path):
+    from tests.e2e.test_train_processes import start_fleet, train
+    from tests.real_parts import llama_cpp_converters, require_converters, require_training_stack
+    from tests.tiny_llama import tiny_llama_dir
+
+    require_training_stack()
+    require_converters()
+    base, converter = tiny_llama_dir(), llama_cpp_converters() / "convert_lora_to_gguf.py"
+    receiver = Receiver()
+    server, agent = start_fleet(tmp_path, converter, base, tracing={"endpoint": receiver.url})
+    try:
+        result = train(server, tmp_path, base, "traced-qa", "--steps", "3")
+        assert result.returncode == 0, result.stdout + result.stderr
+        [job] = server.admin("GET", "/admin/v1/jobs")["jobs"]
+        assert job["state"] == "Succeeded"
+        # The server's root ends with the job; the agent's run ends with its teardown.
+        wait_until(lambda: receiver.named("train.job") and receiver.named("train.run"), "the job's spans")
+        [(service, root)] = receiver.named("train.job")
+        assert service == "llmgw-server"
+        with receiver.lock:
+            in_trace = [(svc, s) for svc, s in receiver.spans if s.trace_id == root.trace_id]
+        names = {(svc, s.name) for svc, s in in_trace}
+        server_steps = {"job.queue", "job.sent", "job.start", "job.train", "job.convert", "job.upload"}
+        agent_steps = {
+            "agent.start_job",
+            "train.run",
+            "train.prepare",
+            "train.train",
+            "train.convert",
+            "train.upload",
+        }
+        assert {("llmgw-server", n) for n in server_steps} <= names
+        assert {("llmgw-agent", n) for n in agent_steps} <= names
+        ids = {s.span_id: s for _, s in in_trace}
+        by_name = {s.name: s for _, s in in_trace}
+        parent = {name: ids[s.parent_span_id].name for name, s in by_name.items() if s.parent_span_id in ids}
+        assert parent["job.queue"] == parent["job.upload"] == "train.job"
+        assert parent["job.start"] == "job.sent" and parent["agent.start_job"] == "job.start"
+        assert parent["train.run"] == "agent.start_job"
+        assert {parent[n] for n in ("train.prepare", "train.train", "train.convert", "train.upload")} == {
+            "train.run"
+        }
+        attributes = attributes_of(root)
+        assert (attributes["llmgw.job"], attributes["llmgw.adapter"]) == (job["id"], "traced-qa")
+        assert attributes["llmgw.state"] == "Succeeded"
+        assert attributes_of(by_name["train.train"])["llmgw.train.steps"] == 3
+        # The steps follow one another on the server, inside the job's span.
+        order = [by_name[n] for n in ("job.queue", "job.sent", "job.train", "job.convert", "job.upload")]
+        assert all(
+            a.end_time_unix_nano <= b.start_time_unix_nano for a, b in zip(order, order[1:], strict=False)
+        )
+        assert root.start_time_unix_nano <= order[0].start_time_unix_nano
+        assert order[-1].end_time_unix_nano <= root.end_time_unix_nano
+    finally:
+        agent.stop()
+        server.proc.stop()
+        receiver.close()

@@ -41,9 +41,10 @@ def parts():
     return tiny_llama_dir(), llama_cpp_converters() / "convert_lora_to_gguf.py"
 
 
-def start_fleet(tmp_path: Path, converter: Path, base: Path) -> tuple[Server, object]:
+def start_fleet(tmp_path: Path, converter: Path, base: Path, **extra: object) -> tuple[Server, object]:
     """A server whose catalog serves the tiny model with llama.cpp (its GGUF; training reads the
-    safetensors directory `base` on the node), and one agent, cpu-1."""
+    safetensors directory `base` on the node), and one agent, cpu-1; ``extra``: more top-level
+    sections of both configs (tracing)."""
     server = Server(tmp_path, heartbeat_interval=0.5, missed_heartbeats=3)
     # A llama.cpp profile serves the model, so its adapters are converted to GGUF; no replica
     # runs (min_replicas 0): this test is about training.
@@ -62,10 +63,10 @@ def start_fleet(tmp_path: Path, converter: Path, base: Path) -> tuple[Server, ob
     }
     import yaml
 
-    write_yaml(server.config, {**yaml.safe_load(server.config.read_text()), **catalog})
+    write_yaml(server.config, {**yaml.safe_load(server.config.read_text()), **catalog, **extra})
     server.start()
     engines = {"run_as": None, "train_python": sys.executable, "lora_converter": str(converter)}
-    agent = start_agent(tmp_path, server, "cpu-1", engines=engines)
+    agent = start_agent(tmp_path, server, "cpu-1", engines=engines, **extra)
     wait_until(lambda: server.nodes().get("cpu-1", {}).get("connected"), "the agent", proc=agent)
     return server, agent
 
