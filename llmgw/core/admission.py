@@ -12,6 +12,11 @@ When it has waiters again it joins at the back, like a newcomer: keeping its old
 a tenant that sends one request at a time jump ahead of tenants that have been waiting all along,
 and would need a memory of tenants that have nothing queued.
 
+Weights (a gateway worker's: its part of a tenant whose waiters other workers hold too, from
+core.leases) make it a deficit round-robin: reaching the front adds the tenant's weight to its
+credit, and it is served once its credit reaches 1, so a tenant of weight 1/2 is served every
+other round. At weight 1, the default, that is exactly the plain rotation.
+
 A waiter leaves by exactly one of three doors: :meth:`AdmissionQueue.pop` (dispatched),
 :meth:`~AdmissionQueue.cancel` (its client went away) or :meth:`~AdmissionQueue.expire` (its
 deadline came; the shell answers it with a timeout). ``pop`` expires first, so it never hands
@@ -51,6 +56,11 @@ frozen = attrs.frozen(kw_only=True)
 # replicas drain it; a second is long enough not to be hammered by retries and short against
 # any sensible wait timeout.
 RETRY_AFTER = 1.0
+
+# The least weight a tenant's turn counts for (see the weighted rotation), and what counts as a
+# whole turn of credit (float sums of fractions land just below 1).
+MIN_WEIGHT = 1 / 256
+_FULL_TURN = 1.0 - 1e-9
 
 # Stale deadline entries (of waiters dispatched or cancelled) tolerated beyond the live ones
 # before the heap is rebuilt; without it a nearly empty queue would rebuild on every push.
@@ -95,6 +105,8 @@ class _Band:
         # Tenant → its waiters by id, oldest first. Holds only tenants with waiters.
         self.rotation: OrderedDict[str, OrderedDict[Hashable, Waiter]] = OrderedDict()
         self.size = 0
+        # Tenant → credit toward its next turn, for weighted rotations only; kept while it waits.
+        self.credit: dict[str, float] = {}
 
     def add(self, waiter: Waiter) -> None:
         fifo = self.rotation.get(waiter.tenant)
@@ -109,15 +121,35 @@ class _Band:
         self.size -= 1
         if not fifo:
             del self.rotation[waiter.tenant]  # the others keep their order
+            self.credit.pop(waiter.tenant, None)
 
-    def take_next(self) -> Waiter:
-        tenant, fifo = next(iter(self.rotation.items()))
+    def take_next(self, weight: Callable[[str], float] | None = None) -> Waiter:
+        if weight is None:
+            tenant, fifo = next(iter(self.rotation.items()))
+            return self._serve(tenant, fifo, done=True)
+        while True:
+            tenant, fifo = next(iter(self.rotation.items()))
+            credit = self.credit.get(tenant, 0.0)
+            if credit < _FULL_TURN:
+                # Its turn comes round: the weight's worth of credit (never less than MIN_WEIGHT,
+                # so that this loop ends within len(rotation) / MIN_WEIGHT steps).
+                credit += min(1.0, max(MIN_WEIGHT, weight(tenant)))
+                if credit < _FULL_TURN:
+                    self.credit[tenant] = credit
+                    self.rotation.move_to_end(tenant)
+                    continue
+            credit -= 1.0
+            self.credit[tenant] = credit
+            return self._serve(tenant, fifo, done=credit < _FULL_TURN)
+
+    def _serve(self, tenant: str, fifo: OrderedDict[Hashable, Waiter], *, done: bool) -> Waiter:
         _, waiter = fifo.popitem(last=False)
         self.size -= 1
-        if fifo:
-            self.rotation.move_to_end(tenant)
-        else:
+        if not fifo:
             del self.rotation[tenant]
+            self.credit.pop(tenant, None)
+        elif done:
+            self.rotation.move_to_end(tenant)
         return waiter
 
 
@@ -129,11 +161,19 @@ class AdmissionQueue:
     non-empty one by looking at all of them is cheaper than keeping them sorted.
     """
 
-    def __init__(self, max_waiting: int, *, retry_after: float = RETRY_AFTER) -> None:
+    def __init__(
+        self,
+        max_waiting: int,
+        *,
+        retry_after: float = RETRY_AFTER,
+        weight: Callable[[int, str], float] | None = None,
+    ) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, not {max_waiting}")
         self.max_waiting = max_waiting
         self.retry_after = retry_after
+        # (band, tenant) → the tenant's weight in its band's rotation; None: every tenant 1.
+        self._weight = weight
         # id → (push number, waiter) for every waiter in the queue. The push number tells a live
         # deadline entry from a stale one left by an earlier waiter with the same id.
         self._waiting: dict[Hashable, tuple[int, Waiter]] = {}
@@ -195,7 +235,8 @@ class AdmissionQueue:
         if band_number is None:
             return Popped(waiter=None, expired=expired)
         band = self._bands[band_number]
-        waiter = band.take_next()
+        weight = self._weight
+        waiter = band.take_next(None if weight is None else lambda tenant: weight(band_number, tenant))
         if not band.size:
             del self._bands[band_number]
         del self._waiting[waiter.id]
@@ -303,8 +344,8 @@ class AdmissionLane:
     first, each decided again as loads are now; then the queue, while a replica has room.
     """
 
-    def __init__(self, max_waiting: int) -> None:
-        self.queue = AdmissionQueue(max_waiting)
+    def __init__(self, max_waiting: int, *, weight: Callable[[int, str], float] | None = None) -> None:
+        self.queue = AdmissionQueue(max_waiting, weight=weight)
         self.in_flight: dict[str, int] = {}  # per replica id, only those above 0
         # Waiters taken from the queue to wait for one replica in particular: waiter id → replica
         # id, oldest first. They go before the queue when it frees.

@@ -60,13 +60,14 @@ to the other, until the next grant (a second).
 **Fairness inside a band across workers.** Slots go to workers in proportion to their weight in
 the highest band anyone waits in: a worker's weight is the sum, over the band's tenants, of its
 fraction of that tenant's waiters, so a tenant counts once however many workers hold its waiters.
-Each worker's own lane rotates between its tenants. What that guarantees: tenants waiting on one
-worker each share the replica equally up to rounding to whole slots (with 6 slots and tenants
-3:1 over two workers, 5:1 — the lone tenant has one slot, 1/6, not 1/4). Not guaranteed: a tenant
-whose waiters are spread over k workers takes a turn in each of their rotations, so up to k
-times the share of a tenant waiting on one (lanes weighing tenants would fix it; core.admission
-does not yet take weights). Moving slots between workers to even out the rounding over time was
-tried and lost more to the drain than it gave.
+Each worker's own lane rotates between its tenants, each weighted by that same fraction (the
+grant carries it: :class:`TenantWeight`; core.admission serves a tenant of weight 1/2 every
+other round). So a worker's slots go to its tenants in proportion to their fractions, and a
+tenant's slots over all workers are the sum of its fractions' parts: an equal share of the
+replica per tenant, however its waiters are spread — up to rounding to whole slots (with 6
+slots and tenants 3:1 over two workers, 5:1 — the lone tenant has one slot, 1/6, not 1/4).
+Moving slots between workers to even out the rounding over time was tried and lost more to the
+drain than it gave.
 
 **Restart.** A new ledger adopts each worker's shares from its first report (the old control
 plane's invariant still holds for them). Built with ``awaiting`` (the workers it adopted), it
@@ -166,6 +167,19 @@ class LeaseGrant:
     quotas: tuple[QuotaShare, ...] = ()
     slots: tuple[SlotShare, ...] = ()
     full: bool = False  # the complete lease: shares not named here are 0
+    # The worker's part of each tenant it holds waiters of, where other workers hold some too
+    # (1 where it holds them all, which is not sent): always the whole list, replacing the last.
+    weights: tuple[TenantWeight, ...] = ()
+
+
+@frozen
+class TenantWeight:
+    """A worker's part (0 to 1) of a tenant's waiters for a model in a band, over all workers."""
+
+    model: str
+    band: int
+    tenant: str
+    weight: float
 
 
 @frozen
@@ -274,6 +288,7 @@ class WorkerLeases:
         self.book = QuotaBook()
         self._quota: dict[tuple[Subject, str], int] = {}  # (subject, limit) → share
         self._slots: dict[str, int] = {}  # replica → share
+        self._weights: dict[tuple[str, int, str], float] = {}  # (model, band, tenant) → its part
         self._wanted: dict[tuple[Subject, str], int] = {}  # since the last report
         self._kept: dict[tuple[Subject, str], tuple[int, float]] = {}  # demand still asked: until
         self._held_seen: set[tuple[Subject, str]] = set()  # pools reported with something held
@@ -292,6 +307,11 @@ class WorkerLeases:
     def slots(self, replica: str, now: float) -> int:
         """The replica's slots this worker may fill now (0 once its lease expired)."""
         return self._slots.get(replica, 0) if self.live(now) else 0
+
+    def tenant_weight(self, model: str, band: int, tenant: str) -> float:
+        """The tenant's weight in this worker's rotation for ``model`` (see the module's fairness
+        note): its part of the tenant's waiters over all workers, 1 where this one holds all."""
+        return self._weights.get((model, band, tenant), 1.0)
 
     def wants_report(self) -> bool:
         """A request was refused for want of share: report now rather than at the next tick."""
@@ -402,6 +422,7 @@ class WorkerLeases:
                 self._slots[s.replica] = s.share
             else:
                 self._slots.pop(s.replica, None)
+        self._weights = {(w.model, w.band, w.tenant): w.weight for w in grant.weights}
         sent = self._sent.get(grant.answers)
         if sent is not None:
             self.expires_at = max(self.expires_at, sent + grant.ttl)
@@ -644,6 +665,7 @@ class LeaseLedger:
             quotas=tuple(quotas),
             slots=tuple(slots),
             full=full,
+            weights=self._tenant_weights(worker, now),
         )
 
     # --- what the ledger holds, for metrics and tests ----------------------------------------
@@ -713,6 +735,21 @@ class LeaseLedger:
         w = self._workers.get(name)
         if w is not None:
             w.pending.add(key)
+
+    def _tenant_weights(self, worker: str, now: float) -> tuple[TenantWeight, ...]:
+        """The worker's part of each tenant's waiters it holds, where live others hold some too."""
+        totals: dict[tuple[str, int, str], int] = {}
+        for name, waits in self._waiting.items():
+            if name == worker or self._live(name, now):
+                for w in waits:
+                    if w.count > 0:
+                        key = (w.model, w.band, w.tenant)
+                        totals[key] = totals.get(key, 0) + w.count
+        return tuple(
+            TenantWeight(model=w.model, band=w.band, tenant=w.tenant, weight=w.count / total)
+            for w in self._waiting.get(worker, ())
+            if w.count > 0 and (total := totals[(w.model, w.band, w.tenant)]) > w.count
+        )
 
     def _slot_weights(self, replica: str, live: list[str]) -> dict[str, float] | None:
         """Each live worker's weight for the replica's model: its part of each tenant waiting in

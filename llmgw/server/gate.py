@@ -129,6 +129,7 @@ class ControlPlaneGate:
         observer: GateObserver | None = None,
         salt: Callable[[], int] | None = None,
         quotas: QuotaCounter | None = None,
+        tenant_weight: Callable[[str, int, str], float] | None = None,
     ) -> None:
         self._keys = keys
         self._router = router
@@ -140,9 +141,16 @@ class ControlPlaneGate:
         self._salt = salt or _random_salt  # the least-loaded policy's tie-break
         # The whole quotas (one process), or a gateway worker's leased shares of them.
         self._quotas: QuotaCounter = quotas if quotas is not None else QuotaBook()
+        # A gateway worker's weight for (model, band, tenant) in its lanes' rotations: its part of
+        # the tenant's waiters over all workers (core.leases). None: every tenant weighs 1.
+        self._tenant_weight = tenant_weight
         self._lanes: dict[str, _Lane] = {}
         self._ids = itertools.count()
         self._started: float | None = None  # when the scaler first asked (idle since then at most)
+
+    def _weight_in(self, model: str) -> Callable[[int, str], float] | None:
+        weigh = self._tenant_weight
+        return None if weigh is None else lambda band, tenant: weigh(model, band, tenant)
 
     # --- the Gate protocol ---------------------------------------------------------------------
 
@@ -281,7 +289,9 @@ class ControlPlaneGate:
     ) -> tuple[str, tuple[Upstream, ...], str]:
         lane = self._lanes.get(model)
         if lane is None:
-            lane = self._lanes[model] = _Lane(admission=AdmissionLane(MAX_WAITING))
+            lane = self._lanes[model] = _Lane(
+                admission=AdmissionLane(MAX_WAITING, weight=self._weight_in(model))
+            )
         lane.last_busy = now
         routes = self._router.routes(model)
         arrival = Arrival(

@@ -255,6 +255,7 @@ class Worker:
             queue_timeout=spec.queue_timeout,
             on_waiting=self._note_waiting,
             quotas=self.leases,
+            tenant_weight=None if leases is None else leases.tenant_weight,
         )
         self.metrics = GatewayMetrics(
             gate=self.gate,

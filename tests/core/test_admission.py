@@ -93,6 +93,47 @@ def test_a_tenant_cancelled_out_of_the_rotation_leaves_the_others_in_order():
     assert drain(queue) == ["c0", "a1"]
 
 
+# --- the weighted rotation (a gateway worker's, core.leases) ------------------------------------
+
+
+def weighted_queue(weights: dict[str, float], *waiters: Waiter) -> AdmissionQueue:
+    queue = AdmissionQueue(max_waiting=100, weight=lambda band, tenant: weights[tenant])
+    for w in waiters:
+        assert queue.push(w) == Accepted()
+    return queue
+
+
+def test_a_tenant_of_weight_half_is_served_every_other_round():
+    queue = weighted_queue(
+        {"a": 0.5, "b": 1.0},
+        *(waiter(f"a{i}", "a") for i in range(10)),
+        *(waiter(f"b{i}", "b") for i in range(20)),
+    )
+    order = drain(queue)
+    assert order[:8] == ["b0", "a0", "b1", "b2", "a1", "b3", "b4", "a2"]
+    assert sum(1 for i in order[:30] if i.startswith("a")) == 10  # 1 : 2
+
+
+def test_weights_of_one_are_the_plain_rotation():
+    waiters = [waiter(f"{t}{i}", t) for t, n in (("a", 4), ("b", 2), ("c", 3)) for i in range(n)]
+    assert drain(weighted_queue(dict.fromkeys("abc", 1.0), *waiters)) == drain(queue_of(*waiters))
+
+
+def test_a_weight_of_zero_still_gets_turns_and_the_queue_drains():
+    queue = weighted_queue({"a": 0.0, "b": 0.0}, waiter("a0", "a"), waiter("b0", "b"), waiter("a1", "a"))
+    assert drain(queue) == ["a0", "b0", "a1"]
+
+
+def test_a_tenant_that_leaves_takes_no_credit_with_it():
+    # a, at weight 0.5, has half a turn of credit when its only waiter is cancelled; back again,
+    # it starts from nothing like any newcomer: b goes twice before it.
+    queue = weighted_queue({"a": 0.5, "b": 1.0}, waiter("a0", "a"), *(waiter(f"b{i}", "b") for i in range(4)))
+    assert queue.pop(0.0).waiter.id == "b0"  # a took half a turn and went to the back
+    assert queue.cancel("a0")
+    queue.push(waiter("a1", "a"))
+    assert drain(queue) == ["b1", "b2", "a1", "b3"]
+
+
 # --- cancel --------------------------------------------------------------------------------------
 
 
@@ -381,3 +422,15 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 AdmissionMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 TestAdmissionMachine = AdmissionMachine.TestCase
+
+
+class WeightsOfOneMachine(AdmissionMachine):
+    """Every tenant at weight 1: the weighted rotation follows the plain one step for step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = AdmissionQueue(max_waiting=MAX_WAITING, weight=lambda band, tenant: 1.0)
+
+
+WeightsOfOneMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestWeightsOfOneMachine = WeightsOfOneMachine.TestCase

@@ -450,7 +450,13 @@ def serve(placement: dict[str, list[str]], seconds: float = 300.0, slots: int = 
     ledger = LeaseLedger(0.0)
     ledger.set_replicas({"r": ("m", slots)})
     workers = {name: WorkerLeases(name) for name in placement}
-    lanes = {name: AdmissionLane(10_000) for name in placement}
+    # Each lane weighs its tenants as the worker's grants say (what server/worker.py wires up).
+    lanes = {
+        name: AdmissionLane(
+            10_000, weight=lambda band, tenant, w=workers[name]: w.tenant_weight("m", band, tenant)
+        )
+        for name in placement
+    }
     running: dict[str, list[tuple[float, str]]] = {name: [] for name in placement}  # (ends, tenant)
     served: dict[str, int] = {}
     ids = iter(range(10**9))
@@ -509,6 +515,46 @@ def test_tenants_of_a_band_share_a_replica_by_tenant_not_by_worker_up_to_whole_s
     total = sum(served.values())
     for tenant in ("t1", "t2", "t3", "t4"):
         assert abs(served[tenant] / total - 1 / 4) < 0.01, served
+
+
+def test_a_tenant_waiting_on_two_workers_gets_no_more_than_one_waiting_on_one():
+    # t1 waits on both workers, t2 on a alone. Unweighted, a would rotate t1 and t2 evenly on its
+    # 6 of 8 slots and t1 would add b's 2: 5:3. Weighted by its half of t1's waiters, a gives t1
+    # a third of its slots: 2 + 2 against t2's 4.
+    served = serve({"a": ["t1", "t2"], "b": ["t1"]}, slots=8)
+    total = sum(served.values())
+    assert total >= 8 * 290
+    assert abs(served["t1"] / total - 1 / 2) < 0.01, served
+    # Spread over both workers, beside two tenants waiting on one each: a third each.
+    served = serve({"a": ["t1", "t2"], "b": ["t1", "t3"]}, slots=6)
+    total = sum(served.values())
+    for tenant in ("t1", "t2", "t3"):
+        assert abs(served[tenant] / total - 1 / 3) < 0.01, served
+
+
+def test_a_grant_carries_the_workers_part_of_each_shared_tenant_and_only_those():
+    ledger = LeaseLedger(0.0)
+    ledger.set_replicas({"r": ("m", 4)})
+    a, b = WorkerLeases("a"), WorkerLeases("b")
+    waits = {
+        "a": [
+            Waiting(model="m", band=1, tenant="t1", count=3),
+            Waiting(model="m", band=1, tenant="t2", count=2),
+        ],
+        "b": [Waiting(model="m", band=1, tenant="t1", count=1)],
+    }
+    for worker in (a, b):
+        ledger.receive(worker.report(0.0, in_flight={}, waiting=waits[worker.worker]), 0.0)
+    for worker in (a, b):
+        worker.apply(ledger.grant(worker.worker, 0.0), 0.0)
+    assert a.tenant_weight("m", 1, "t1") == 0.75 and b.tenant_weight("m", 1, "t1") == 0.25
+    assert a.tenant_weight("m", 1, "t2") == 1.0  # a holds all of t2's waiters
+    assert a.tenant_weight("other", 1, "t1") == 1.0
+    # Once b's waiters are gone, a's next grant gives t1 back its whole weight.
+    ledger.receive(b.report(1.0, in_flight={}, waiting=[]), 1.0)
+    ledger.receive(a.report(1.0, in_flight={}, waiting=waits["a"]), 1.0)
+    a.apply(ledger.grant("a", 1.0), 1.0)
+    assert a.tenant_weight("m", 1, "t1") == 1.0
 
 
 # --- the quota book's memory ------------------------------------------------------------------
