@@ -1,4 +1,5 @@
-"""One GET to an engine: the agent's readiness checks and drains, the server's metrics scrapes.
+"""One GET to an engine: the agent's readiness checks and drains, the server's metrics scrapes
+(and one POST: the server's run-time adapter loads).
 
 A bare trio + h11 client: one connection per request (``Connection: close``), which suits a
 health check every second or so, or a scrape every few, and needs no pool. Neither the agent nor
@@ -40,16 +41,42 @@ async def http_get(
         raise ProbeFailed(f"GET {host}:{port}{path}: {exc}") from None
 
 
-async def _get(host: str, port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+async def http_post(
+    host: str,
+    port: int,
+    path: str,
+    body: bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float,  # noqa: ASYNC109
+) -> tuple[int, bytes]:
+    """The status and body of ``POST path`` with a JSON ``body`` (the server's run-time adapter
+    loads); raises ProbeFailed without an answer in ``timeout``."""
+    sent = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
+    try:
+        with trio.fail_after(timeout):
+            return await _get(host, port, path, sent, method="POST", body=body)
+    except trio.TooSlowError:
+        raise ProbeFailed(f"no answer from {host}:{port}{path} within {timeout}s") from None
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+        raise ProbeFailed(f"POST {host}:{port}{path}: {exc}") from None
+
+
+async def _get(
+    host: str, port: int, path: str, headers: dict[str, str], *, method: str = "GET", body: bytes = b""
+) -> tuple[int, bytes]:
     stream = await trio.open_tcp_stream(host, port)
     async with stream:
         connection = h11.Connection(h11.CLIENT)
         request = h11.Request(
-            method="GET",
+            method=method,
             target=path,
             headers=[("Host", f"{host}:{port}"), ("Connection", "close"), *headers.items()],
         )
-        await stream.send_all(connection.send(request) + connection.send(h11.EndOfMessage()))
+        data = connection.send(request)
+        if body:
+            data += connection.send(h11.Data(data=body))
+        await stream.send_all(data + connection.send(h11.EndOfMessage()))
         status = 0
         body = bytearray()
         while True:

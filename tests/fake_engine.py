@@ -16,7 +16,16 @@ Behaviour knobs (environment):
   FAKE_ENGINE_IGNORE_SIGTERM=1 ignore SIGTERM (it and its worker), so only SIGKILL stops it
   FAKE_ENGINE_RESPONSE_DELAY   seconds each completion takes (to have requests in flight)
   FAKE_ENGINE_TRACEPARENTS     a file each request's traceparent header is appended to
+  FAKE_ENGINE_LORA_LOAD_DELAY  seconds each run-time adapter load takes
+  FAKE_ENGINE_LORA_FAIL        adapter names (comma-separated) whose loads fail, as vLLM's do for
+                               files that are not an adapter
 Otherwise SIGTERM makes it exit 0.
+
+Run-time adapters, as vLLM's (/v1/load_lora_adapter, /v1/unload_lora_adapter) and SGLang's
+(/load_lora_adapter, /unload_lora_adapter): at most --max-loras (or --max-loaded-loras) held, a
+load past that refused; /v1/models lists each held with `parent`; a completion naming one it does
+not hold is a 404. GET /fake/adapters (no key: the tests' window) says what happened: loads and
+unloads in order, and any unload of an adapter with a request in flight.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--served-model-name")
     parser.add_argument("--api-key")
     parser.add_argument("--head", action="store_true")
+    parser.add_argument("--max-loras", "--max-loaded-loras", dest="max_loras", type=int, default=0)
     args, rest = parser.parse_known_args(argv)
     key = args.api_key or os.environ.get("LLAMA_API_KEY") or os.environ.get("VLLM_API_KEY") or ""
 
@@ -68,7 +78,9 @@ def main(argv: list[str]) -> None:
     model = args.alias or args.served_model_name or "fake-model"
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
-    server.engine = Engine(model=model, key=key, ready_at=time.monotonic() + load_delay)
+    server.engine = Engine(
+        model=model, key=key, ready_at=time.monotonic() + load_delay, max_loras=args.max_loras
+    )
     say(f"listening on {args.host}:{args.port}, model {model}, key {'set' if key else 'none'}")
     server.serve_forever()
 
@@ -101,13 +113,43 @@ def ray_node(head: bool, port: int, delay: float) -> None:
 
 
 class Engine:
-    def __init__(self, *, model: str, key: str, ready_at: float) -> None:
+    def __init__(self, *, model: str, key: str, ready_at: float, max_loras: int = 0) -> None:
         self.model = model
         self.key = key
         self.ready_at = ready_at
         self.adapters: dict[str, str] = {}
+        self.max_loras = max_loras  # 0: no run-time adapters limit (none given)
         self.running = 0
         self.lock = threading.Lock()
+        self.adapter_running: dict[str, int] = {}
+        self.events: list[list[str]] = []  # ["load"|"unload"|"load-failed", name]
+        self.violations: list[str] = []  # adapters unloaded with a request in flight
+
+    def load_adapter(self, name: str, path: str) -> tuple[int, str]:
+        time.sleep(float(os.environ.get("FAKE_ENGINE_LORA_LOAD_DELAY", "0")))
+        failing = {n for n in os.environ.get("FAKE_ENGINE_LORA_FAIL", "").split(",") if n}
+        with self.lock:
+            if name in failing:
+                self.events.append(["load-failed", name])
+                return 400, f"Loading lora {name} failed: No adapter found for {path}"
+            if name in self.adapters:
+                return 400, f"The lora adapter '{name}' has already been loaded."
+            if self.max_loras and len(self.adapters) >= self.max_loras:
+                self.events.append(["load-failed", name])
+                return 400, f"cannot load lora {name}: {self.max_loras} already loaded (max_loras)"
+            self.adapters[name] = path
+            self.events.append(["load", name])
+        return 200, f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_adapter(self, name: str) -> tuple[int, str]:
+        with self.lock:
+            if name not in self.adapters:
+                return 404, f"The lora adapter '{name}' cannot be found."
+            if self.adapter_running.get(name):
+                self.violations.append(name)
+            del self.adapters[name]
+            self.events.append(["unload", name])
+        return 200, f"Success: LoRA adapter '{name}' removed successfully."
 
     @property
     def loading(self) -> bool:
@@ -126,6 +168,15 @@ class Handler(BaseHTTPRequestHandler):
         say(f"{self.command} {self.path} " + (format % args))
 
     def do_GET(self) -> None:
+        if self.path == "/fake/adapters":
+            with self.engine.lock:
+                state = {
+                    "held": sorted(self.engine.adapters),
+                    "events": list(self.engine.events),
+                    "violations": list(self.engine.violations),
+                }
+            self.reply(200, state)
+            return
         if self.path == "/health":
             if self.engine.loading:
                 self.reply(503, {"error": {"message": "Loading model", "code": 503}})
@@ -135,8 +186,13 @@ class Handler(BaseHTTPRequestHandler):
         if not self.allowed():
             return
         if self.path == "/v1/models":
-            names = [self.engine.model, *self.engine.adapters]
-            self.reply(200, {"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
+            base = {"id": self.engine.model, "object": "model", "parent": None}
+            with self.engine.lock:
+                held = [
+                    {"id": n, "object": "model", "root": p, "parent": self.engine.model}
+                    for n, p in self.engine.adapters.items()
+                ]
+            self.reply(200, {"object": "list", "data": [base, *held]})
         elif self.path == "/metrics":
             self.reply_text(200, self.metrics(), "text/plain; version=0.0.4")
         else:
@@ -157,9 +213,12 @@ class Handler(BaseHTTPRequestHandler):
                 file.write(self.headers["traceparent"] + "\n")
         if self.path in ("/v1/chat/completions", "/v1/completions"):
             self.complete(body, chat=self.path == "/v1/chat/completions")
-        elif self.path == "/v1/load_lora_adapter":
-            self.engine.adapters[body.get("lora_name", "")] = body.get("lora_path", "")
-            self.reply_text(200, f"Success: LoRA adapter '{body.get('lora_name')}' added successfully.")
+        elif self.path in ("/v1/load_lora_adapter", "/load_lora_adapter"):
+            status, text = self.engine.load_adapter(body.get("lora_name", ""), body.get("lora_path", ""))
+            self.reply_text(status, text)
+        elif self.path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
+            status, text = self.engine.unload_adapter(body.get("lora_name", ""))
+            self.reply_text(status, text)
         else:
             self.reply(404, {"error": {"message": f"no {self.path}"}})
 
@@ -174,8 +233,25 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     def complete(self, body: dict, *, chat: bool) -> None:
-        with self.engine.lock:
-            self.engine.running += 1
+        name = body.get("model")
+        engine = self.engine
+        adapter = name if isinstance(name, str) and name != engine.model and engine.max_loras else None
+        with engine.lock:
+            if adapter is not None and adapter not in engine.adapters:
+                self.reply(404, {"error": {"message": f"The model `{adapter}` does not exist.", "code": 404}})
+                return
+            engine.running += 1
+            if adapter is not None:
+                engine.adapter_running[adapter] = engine.adapter_running.get(adapter, 0) + 1
+        ended = []
+
+        def end_adapter() -> None:
+            # Before the answer's last bytes: a client may unload the adapter once it has them.
+            if adapter is not None and not ended:
+                ended.append(True)
+                with engine.lock:
+                    engine.adapter_running[adapter] -= 1
+
         try:
             time.sleep(float(os.environ.get("FAKE_ENGINE_RESPONSE_DELAY", "0")))
             usage = {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
@@ -186,16 +262,25 @@ class Handler(BaseHTTPRequestHandler):
                 choice.update(
                     {"message": {"role": "assistant", "content": ANSWER}} if chat else {"text": ANSWER}
                 )
+                end_adapter()
                 self.reply(
                     200, {"id": "fake-1", "object": kind, "model": model, "choices": [choice], "usage": usage}
                 )
                 return
-            self.stream(body, model=model, kind=f"{kind}.chunk" if chat else kind, usage=usage, chat=chat)
+            self.stream(
+                body,
+                model=model,
+                kind=f"{kind}.chunk" if chat else kind,
+                usage=usage,
+                chat=chat,
+                end=end_adapter,
+            )
         finally:
-            with self.engine.lock:
-                self.engine.running -= 1
+            end_adapter()
+            with engine.lock:
+                engine.running -= 1
 
-    def stream(self, body: dict, *, model: str, kind: str, usage: dict, chat: bool) -> None:
+    def stream(self, body: dict, *, model: str, kind: str, usage: dict, chat: bool, end=None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -205,6 +290,8 @@ class Handler(BaseHTTPRequestHandler):
             self.chunk({"id": "fake-1", "object": kind, "model": model, "choices": [{"index": 0, **piece}]})
         if (body.get("stream_options") or {}).get("include_usage"):
             self.chunk({"id": "fake-1", "object": kind, "model": model, "choices": [], "usage": usage})
+        if end is not None:
+            end()
         self.write_chunk(b"data: [DONE]\n\n")
         self.write_chunk(b"")
 
