@@ -9,8 +9,8 @@ Queue depth and the engines' load are not pushed: they are read when /metrics is
 gate's queues and the engine scraper (gauges that always show the present, at no cost per request).
 
 /metrics needs no key on the gateway port: scrapers (Prometheus, the agent of a monitoring stack)
-rarely hold a bearer token, and the text carries model names, replica ids and counts only — no
-tenant, key, prompt or address.
+rarely hold a bearer token, and the text carries model names, replica ids, tenant names (the
+operator's, for tokens per tenant) and counts only — no key, prompt or address.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 MAX_MODEL_LABELS = 256
 # Waits in the admission queue: nothing for a free replica, up to a cold start of minutes.
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Tenants are the operator's (not the clients'), but bounded all the same.
+MAX_TENANT_LABELS = 1024
 # Requests with no model, or one the gateway does not serve (400 or 404 before any routing).
 NO_MODEL = "-"
 OTHER_MODEL = "other"
@@ -107,6 +109,11 @@ class GatewayMetrics:
             "llmgw_queue_wait_seconds", "Time requests waited in the admission queue, by model",
             ["model"], buckets=QUEUE_WAIT_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self._tenant_tokens = Counter(
+            "llmgw_tenant_tokens", "Tokens the engines reported, by tenant and direction (prompt or completion)",
+            ["tenant", "direction"], registry=self.registry,
+        )  # fmt: skip
+        self._by_tenant: dict[str, tuple[Any, Any]] = {}
         # Client connections: open now, and accepted since start (kept by gateway.http).
         self._answer: Callable[[], bytes] | None = None
         self.connections_open = 0
@@ -167,6 +174,21 @@ class GatewayMetrics:
         if counter is None:
             counter = self._by_route[key] = self._routing.labels(*key)
         counter.inc()
+
+    def on_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request's usage, as the gate settled it for its tenant."""
+        children = self._by_tenant.get(tenant)
+        if children is None:
+            if len(self._by_tenant) >= MAX_TENANT_LABELS:
+                tenant = OTHER_MODEL  # "other": the table stays bounded
+                children = self._by_tenant.get(tenant)
+            if children is None:
+                children = self._by_tenant[tenant] = (
+                    self._tenant_tokens.labels(tenant, "prompt"),
+                    self._tenant_tokens.labels(tenant, "completion"),
+                )
+        children[0].inc(prompt_tokens)
+        children[1].inc(completion_tokens)
 
     def on_queue_wait(self, model: str, seconds: float) -> None:
         """A request left the admission queue: let through, timed out, or its client gone."""

@@ -93,6 +93,8 @@ class GateObserver(Protocol):
 
     def on_queue_wait(self, model: str, seconds: float) -> None: ...
 
+    def on_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+
 
 @attrs.define(eq=False)
 class Ticket:
@@ -221,6 +223,10 @@ class ControlPlaneGate:
         lane.last_busy = trio.current_time()
         if record.usage is not None:
             self._quotas.settle(ticket.reservation, record.usage.total_tokens)
+            if self.observer is not None:
+                self.observer.on_usage(
+                    ticket.key.tenant, record.usage.prompt_tokens, record.usage.completion_tokens
+                )
         elif record.upstream is None:
             self._quotas.release(ticket.reservation)  # never reached an engine: nothing was spent
         else:

@@ -357,3 +357,31 @@ def test_a_non_streaming_answer_is_no_first_token_and_no_slo_violation():
     text = metrics.exposition().decode()
     assert 'llmgw_ttft_slo_violations_total{model="m"} 1.0' in text  # the stream's alone
     assert 'llmgw_time_to_first_token_seconds_count{model="m"} 1.0' in text
+
+
+async def test_tokens_are_counted_per_tenant_as_the_gate_settles_them():
+    """Two tenants through the control plane's gate: each request's usage to its tenant; one that
+    reached no engine counts nothing."""
+    from llmgw.gateway import Usage
+    from llmgw.server.gate import ControlPlaneGate
+    from tests.server.test_gate import Key, Keys, Room, chat, served
+
+    metrics = GatewayMetrics()
+    keys = Keys(("a", Key("ka", "acme")), ("b", Key("kb", "bravo")))
+    gate = ControlPlaneGate(keys, Room(4), observer=metrics)
+    for secret, usage in (("a", Usage(3, 5, 8)), ("a", Usage(1, 2, 3)), ("b", Usage(7, 0, 7)), ("b", None)):
+        payload, size = chat()
+        ticket = await gate.admit(gate.authenticate(f"Bearer {secret}"), "m", payload, size)
+        gate.finish(ticket, served(usage))
+    samples = {
+        (s.labels["tenant"], s.labels["direction"]): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+        if s.name == "llmgw_tenant_tokens_total"
+    }
+    assert samples == {
+        ("acme", "prompt"): 4.0,
+        ("acme", "completion"): 7.0,
+        ("bravo", "prompt"): 7.0,
+        ("bravo", "completion"): 0.0,
+    }
