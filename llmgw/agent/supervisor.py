@@ -210,7 +210,7 @@ class Supervisor:
                 launched = attrs.evolve(launched, model_path=str(self.weights.local_path(spec)))
             binaries = self._binaries
             if self.installs.wanted(spec):
-                binaries = attrs.evolve(binaries, llama_server=str(self.installs.llama_server(spec)))
+                binaries = self.installs.binaries(spec, binaries)
             plan = build_plan(launched, engine_key=engine_key, binaries=binaries)
         except InstallFailed as exc:
             self._emit(spec, ShardState.FAILED, reason=str(exc))

@@ -52,7 +52,9 @@ class Profile:
     engine: str  # a name in llmgw.core.engines.ENGINES
     gpu_class: str | None  # e.g. "l40s-45g"; None = runs on the CPU (an engine that can)
     # A llama.cpp build (b10991) the agent installs before starting the engine, from the node's
-    # engines.llamacpp_url (llmgw.core.installs). None: the node's configured engine.
+    # engines.llamacpp_url, or a vLLM/SGLang release (0.33.0) it installs into a virtual
+    # environment from the node's package index (llmgw.core.installs). None: the node's
+    # configured engine.
     engine_version: str | None = None
     gpus_per_node: int = 0
     nodes: int = 1
@@ -182,7 +184,10 @@ def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[
     reasons.extend(_on_demand_reasons(profile, engine))
     if profile.engine_version is not None:
         if engine.installed_build is None:
-            reasons.append(("engine_version", f"agents install llama.cpp builds only, not {name}"))
+            reasons.append(("engine_version", f"agents install no versions of {name}"))
+        elif engine.python_package is not None:
+            if problem := installs.python_version_problem(profile.engine_version):
+                reasons.append(("engine_version", problem))
         elif problem := installs.version_problem(profile.engine_version):
             reasons.append(("engine_version", problem))
     return reasons

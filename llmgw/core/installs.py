@@ -7,6 +7,11 @@ build directory holding ``llama-server`` directly or in ``bin/``.
 
 Builds are compared by number: llama.cpp numbers its releases (b9999, b10991), and a string sort
 would take b9999 for the newer one.
+
+Python engines (vLLM, SGLang) are installed as ``<engines_dir>/<engine>-<version>/venv/``: a
+virtual environment each, holding that one pinned version from the node's configured package
+index or wheelhouse, complete once its ``installed.json`` is written (a venv cannot be moved into
+place: its scripts name their interpreter by absolute path).
 """
 
 from __future__ import annotations
@@ -110,8 +115,64 @@ def symlink_plan(manifest: object) -> list[tuple[str, str]]:
     return plan
 
 
+# --- Python engines in virtual environments ------------------------------------------------------
+
+# A pinned release as PEP 440 writes it (0.33.0, 0.5.23.post1, 1.0rc2): never a range or a name,
+# since two nodes must install the same thing for the same profile.
+_PYTHON_VERSION = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
+VENV = "venv"
+VENV_DONE = "installed.json"
+# pip's lines worth showing as progress, by their first word.
+_PIP_PROGRESS = ("Collecting", "Downloading", "Processing", "Installing", "Building", "Successfully")
+
+
+def python_version_problem(version: str) -> str | None:
+    """Why ``version`` cannot pin a Python engine; None when it can."""
+    if _PYTHON_VERSION.fullmatch(version):
+        return None
+    return f"expected a pinned release like 0.33.0 (no ranges, no names), got {version!r}"
+
+
+def venv_root(engines_dir: PurePath, engine: str, version: str) -> PurePath:
+    """The directory of ``engine`` at ``version``: its virtual environment and completion mark."""
+    return engines_dir / f"{engine}-{version}"
+
+
+def venv_binaries(venv: PurePath, fields: Iterable[str]) -> dict[str, str]:
+    """EngineBinaries ``fields`` as the venv has them (each field is named after its executable):
+    a Python engine installed there runs from there."""
+    return {field: str(venv / "bin" / field) for field in fields}
+
+
+def pip_environment(index_url: str | None, find_links: str | None) -> dict[str, str]:
+    """pip's settings for an engine install, as environment variables rather than argv (an index
+    URL may carry credentials, and argv is readable by every user of the node). Only find_links:
+    offline, from that wheelhouse alone (--no-index)."""
+    env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PIP_PROGRESS_BAR": "off"}
+    if index_url:
+        env["PIP_INDEX_URL"] = index_url
+    if find_links:
+        env["PIP_FIND_LINKS"] = find_links
+        if not index_url:
+            env["PIP_NO_INDEX"] = "1"
+    return env
+
+
+def pip_progress(line: str) -> str | None:
+    """The part of a pip output line worth showing as an install's progress; None for the rest."""
+    line = line.strip()
+    if line.split(" ", 1)[0] in _PIP_PROGRESS:
+        return line[:200]
+    return None
+
+
 __all__ = [
     "archive_kind",
+    "pip_environment",
+    "pip_progress",
+    "python_version_problem",
+    "venv_binaries",
+    "venv_root",
     "archive_url",
     "member_problem",
     "server_dir",

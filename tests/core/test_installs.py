@@ -38,7 +38,7 @@ def test_layout_and_names() -> None:
     assert installs.variant_problem("CUDA/12") is not None
 
 
-def test_profiles_may_name_a_llamacpp_build_only() -> None:
+def test_profiles_name_a_llamacpp_build_or_a_pinned_python_engine_release() -> None:
     from llmgw.core.catalog import Model, Profile, validate_profile
 
     models = {
@@ -54,5 +54,44 @@ def test_profiles_may_name_a_llamacpp_build_only() -> None:
     assert problems(engine_version="latest") == [
         "profiles.p.engine_version: expected a llama.cpp build like b10991 or 10991, got 'latest'"
     ]
-    vllm = problems(engine="vllm", model="s", gpu_class="h100-80g", gpus_per_node=1, engine_version="0.33.0")
-    assert vllm == ["profiles.p.engine_version: agents install llama.cpp builds only, not vLLM"]
+    # vLLM and SGLang: a pinned release, installed into a virtual environment.
+    gpu = {"model": "s", "gpu_class": "h100-80g", "gpus_per_node": 1}
+    for engine in ("vllm", "sglang"):
+        for version in ("0.33.0", "0.5.23.post1", "1.0rc2"):
+            assert problems(engine=engine, **gpu, engine_version=version) == [], (engine, version)
+        for version in (">=0.33", "latest", "0.33.*", "b10991"):
+            assert problems(engine=engine, **gpu, engine_version=version) == [
+                f"profiles.p.engine_version: expected a pinned release like 0.33.0 (no ranges, no names),"
+                f" got {version!r}"
+            ], (engine, version)
+
+
+def test_pip_is_configured_through_its_environment_and_offline_with_a_wheelhouse_alone() -> None:
+    from llmgw.core.installs import pip_environment
+
+    offline = pip_environment(None, "/srv/wheelhouse")
+    assert offline["PIP_FIND_LINKS"] == "/srv/wheelhouse" and offline["PIP_NO_INDEX"] == "1"
+    assert "PIP_INDEX_URL" not in offline
+    mirror = pip_environment("https://user:pw@mirror.example/simple", None)
+    assert mirror["PIP_INDEX_URL"] == "https://user:pw@mirror.example/simple" and "PIP_NO_INDEX" not in mirror
+    both = pip_environment("https://mirror.example/simple", "/srv/wheelhouse")
+    assert "PIP_NO_INDEX" not in both and both["PIP_FIND_LINKS"] == "/srv/wheelhouse"
+    assert "PIP_INDEX_URL" not in pip_environment(None, None)  # pip's own default index
+
+
+def test_venv_layout_and_progress_lines() -> None:
+    from llmgw.core.installs import pip_progress, venv_binaries, venv_root
+
+    root = venv_root(PurePath("/e"), "vllm", "0.33.0")
+    assert root == PurePath("/e/vllm-0.33.0")
+    assert venv_binaries(root / "venv", ("vllm", "ray")) == {
+        "vllm": "/e/vllm-0.33.0/venv/bin/vllm",
+        "ray": "/e/vllm-0.33.0/venv/bin/ray",
+    }
+    assert venv_binaries(root / "venv", ("python",)) == {"python": "/e/vllm-0.33.0/venv/bin/python"}
+    assert pip_progress("Collecting vllm==0.33.0\n") == "Collecting vllm==0.33.0"
+    assert pip_progress("  Downloading vllm-0.33.0-py3-none-any.whl (1.2 MB)") == (
+        "Downloading vllm-0.33.0-py3-none-any.whl (1.2 MB)"
+    )
+    assert pip_progress("Requirement already satisfied: pip") is None
+    assert pip_progress("") is None

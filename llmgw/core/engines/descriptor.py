@@ -97,6 +97,12 @@ class Engine:
     # The EngineBinaries field a build the agent installs (a profile's engine_version) stands in
     # for, as "llama_server"; None: the agent installs no builds of it.
     installed_build: str | None = None
+    # The Python package of an engine the agent installs into a virtual environment of its own
+    # at the version a profile pins (pip's name: "vllm"); None: not installed that way. Then
+    # python_binaries are the EngineBinaries fields the environment's bin/ provides (the first
+    # is the engine's entry point, which the install checks for).
+    python_package: str | None = None
+    python_binaries: tuple[str, ...] = ()
     # Adapters go on its command line as name=path, so an adapter's name cannot hold "=".
     adapters_as_name_eq_path: bool = True
     # The files of a stored adapter it loads (llmgw.core.training's names), and what it is given

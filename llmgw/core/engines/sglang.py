@@ -116,6 +116,9 @@ def validate(spec: ShardSpec) -> list[str]:
 ENGINE = Engine(
     name="sglang",
     display_name=DISPLAY_NAME,
+    installed_build="python",
+    python_package="sglang",
+    python_binaries=("python",),
     plan=plan,
     validate=validate,
     adapter_files=PEFT_FILES,

@@ -204,6 +204,10 @@ def validate(spec: ShardSpec) -> list[str]:
 ENGINE = Engine(
     name="vllm",
     display_name=DISPLAY_NAME,
+    installed_build="vllm",
+    python_package="vllm",
+    # Ray too: the ranks of a replica must run the Ray its vLLM was installed with.
+    python_binaries=("vllm", "ray"),
     plan=plan,
     validate=validate,
     # Its own multiprocessing (with --nnodes across nodes), or a Ray cluster made of one head and

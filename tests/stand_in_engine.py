@@ -1,0 +1,77 @@
+"""A small stand-in for a Python engine's package (vllm, sglang), built into a wheelhouse by pip.
+
+vLLM and SGLang are gigabytes of CUDA wheels; what the agent's install of them does (a virtual
+environment, pip from a configured wheelhouse or index, the pinned version, the engine's entry
+point) does not depend on their size. The stand-in is a real package under the engine's own name
+and version, built here with ``pip wheel`` (offline: no build isolation, no index), so pip on the
+node resolves ``vllm==0.33.0`` against it as it would against the real one. Its entry points are
+the engine's: a ``vllm`` console script, and ``python -m sglang.launch_server``; both run
+tests/fake_engine.py (the engines' HTTP surface) with the interpreter of the environment they are
+installed in (the package carries its own copy, so the environment is all an engine's user needs
+to read), and answer ``--version`` with the package's name and version.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import TESTS
+
+FAKE_ENGINE = TESTS / "fake_engine.py"
+
+_MODULE = '''"""A stand-in for {name} {version}, made by the llmgw tests."""
+import os
+import sys
+
+VERSION = "{version}"
+FAKE_ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_engine.py")
+
+
+def main():
+    if sys.argv[1:] == ["--version"]:
+        print("{name}", VERSION, "stand-in", sys.executable)
+        return
+    os.execv(sys.executable, [sys.executable, FAKE_ENGINE, *sys.argv[1:]])
+'''
+
+
+def build_wheel(work: Path, name: str, version: str, wheelhouse: Path) -> Path:
+    """Builds the stand-in ``name``==``version`` into ``wheelhouse``; returns the wheel."""
+    source = work / f"src-{name}-{version}"
+    package = source / name
+    package.mkdir(parents=True)
+    (source / "pyproject.toml").write_text(
+        "[build-system]\n"
+        'requires = ["setuptools"]\n'
+        'build-backend = "setuptools.build_meta"\n'
+        "[project]\n"
+        f'name = "{name}"\n'
+        f'version = "{version}"\n'
+        "[project.scripts]\n"
+        f'{name} = "{name}:main"\n'
+        "[tool.setuptools]\n"
+        f'packages = ["{name}"]\n'
+    )
+    (package / "__init__.py").write_text(_MODULE.format(name=name, version=version))
+    shutil.copyfile(FAKE_ENGINE, package / "fake_engine.py")
+    (package / "launch_server.py").write_text(f"from {name} import main\n\nmain()\n")
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--wheel-dir", str(wheelhouse), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )  # fmt: skip
+    (wheel,) = wheelhouse.glob(f"{name}-{version}-*.whl")
+    return wheel
+
+
+def venv_python() -> str:
+    """The Python nodes make engine environments with: the system one when there is one (as on a
+    node), else this test's own."""
+    system = Path("/usr/bin/python3")
+    return str(system) if system.exists() else sys.executable
