@@ -5,14 +5,16 @@ environment, pip from a configured wheelhouse or index, the pinned version, the 
 point) does not depend on their size. The stand-in is a real package under the engine's own name
 and version, built here with ``pip wheel`` (offline: no build isolation, no index), so pip on the
 node resolves ``vllm==0.33.0`` against it as it would against the real one. Its entry points are
-the engine's: a ``vllm`` console script, and ``python -m sglang.launch_server``; both run
-tests/fake_engine.py (the engines' HTTP surface) with the interpreter of the environment they are
-installed in (the package carries its own copy, so the environment is all an engine's user needs
+the engine's: a ``vllm`` console script, and ``python -m sglang.launch_server``; both print the
+real engine's captured help (tests/fixtures/engine-help/, optionally with flags taken out, as a
+release that renamed them would) when asked for it, and otherwise run tests/fake_engine.py (the
+engines' HTTP surface) with the interpreter of the environment they are installed in (the package carries its own copy, so the environment is all an engine's user needs
 to read), and answer ``--version`` with the package's name and version.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -21,25 +23,37 @@ from pathlib import Path
 from tests.helpers import TESTS
 
 FAKE_ENGINE = TESTS / "fake_engine.py"
+HELP_TEXTS = {
+    "vllm": TESTS / "fixtures" / "engine-help" / "vllm-0.33.0-serve-help.txt",
+    "sglang": TESTS / "fixtures" / "engine-help" / "sglang-0.5.23-launch_server-help.txt",
+}
 
 _MODULE = '''"""A stand-in for {name} {version}, made by the llmgw tests."""
 import os
 import sys
 
 VERSION = "{version}"
-FAKE_ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_engine.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAKE_ENGINE = os.path.join(HERE, "fake_engine.py")
 
 
 def main():
     if sys.argv[1:] == ["--version"]:
         print("{name}", VERSION, "stand-in", sys.executable)
         return
+    if "--help" in sys.argv or "--help=all" in sys.argv:
+        with open(os.path.join(HERE, "help.txt")) as f:
+            sys.stdout.write(f.read())
+        return
     os.execv(sys.executable, [sys.executable, FAKE_ENGINE, *sys.argv[1:]])
 '''
 
 
-def build_wheel(work: Path, name: str, version: str, wheelhouse: Path) -> Path:
-    """Builds the stand-in ``name``==``version`` into ``wheelhouse``; returns the wheel."""
+def build_wheel(
+    work: Path, name: str, version: str, wheelhouse: Path, *, without_flags: tuple[str, ...] = ()
+) -> Path:
+    """Builds the stand-in ``name``==``version`` into ``wheelhouse``; returns the wheel. Its help
+    is the captured one less every line naming one of ``without_flags``."""
     source = work / f"src-{name}-{version}"
     package = source / name
     package.mkdir(parents=True)
@@ -54,9 +68,18 @@ def build_wheel(work: Path, name: str, version: str, wheelhouse: Path) -> Path:
         f'{name} = "{name}:main"\n'
         "[tool.setuptools]\n"
         f'packages = ["{name}"]\n'
+        "[tool.setuptools.package-data]\n"
+        f'{name} = ["help.txt"]\n'
     )
     (package / "__init__.py").write_text(_MODULE.format(name=name, version=version))
     shutil.copyfile(FAKE_ENGINE, package / "fake_engine.py")
+    lines = HELP_TEXTS[name].read_text().splitlines(keepends=True)
+    dropped = [
+        line
+        for line in lines
+        if not any(re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", line) for f in without_flags)
+    ]
+    (package / "help.txt").write_text("".join(dropped))
     (package / "launch_server.py").write_text(f"from {name} import main\n\nmain()\n")
     wheelhouse.mkdir(parents=True, exist_ok=True)
     subprocess.run(

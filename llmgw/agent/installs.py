@@ -19,7 +19,10 @@ scripts name their interpreter by absolute path, so it cannot be built aside and
 is complete once ``installed.json`` is written beside it; one found without it is a partial
 install, removed and made again. pip is configured through its environment (an index URL may
 carry credentials; argv is readable by every user of the node), and its progress lines become the
-shard's. Not done (yet): engine-check against the new environment before its first replica.
+shard's. Before the install is marked complete, ``ctl engine-check``'s check runs against it
+(llmgw.core.flags: every flag llmgw can give the engine against the new install's own help); a
+release lacking one is kept, marked, and fails its shards with the flags it lacks, rather than
+failing minutes into a model load.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import trio
 
 from llmgw import __version__
 from llmgw.agent.weights import http_opener
-from llmgw.core import engines
+from llmgw.core import engines, flags
 from llmgw.core import installs as rules
 from llmgw.core import weights as weight_rules
 from llmgw.core.engines import Engine, EngineBinaries
@@ -63,6 +66,8 @@ class InstallFailed(Exception):
 
 # pip's last lines kept for a failed install's reason.
 PIP_TAIL_LINES = 20
+# vLLM and SGLang import torch before printing their help: tens of seconds on a cold cache.
+HELP_TIMEOUT = 180.0
 
 
 @attrs.frozen(kw_only=True)
@@ -147,14 +152,21 @@ class EngineInstalls:
         assert version is not None
         label = f"{engine.display_name} {version}"
         async with self._locks.setdefault(root, trio.Lock()):
-            if await trio.to_thread.run_sync((root / rules.VENV_DONE).is_file):
+            done = await trio.to_thread.run_sync(_read_done, root)
+            if done is not None:
+                # A release whose flags failed the check stays installed (reinstalling gigabytes
+                # would not change its help) and fails every shard until the profile changes.
+                if problem := done.get("check_problem"):
+                    raise InstallFailed(problem)
                 return venv
             try:
                 await self._make_venv(engine, venv, version, label, on_progress)
             except BaseException:
                 # Nothing half-made stays: the next start begins again from an empty directory.
+                # A complete install whose check failed stays, marked (see above).
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(shutil.rmtree, root, True)
+                    if await trio.to_thread.run_sync(_read_done, root) is None:
+                        await trio.to_thread.run_sync(shutil.rmtree, root, True)
                 raise
         log.info("engine install: %s in %s", label, venv)
         return venv
@@ -177,7 +189,11 @@ class EngineInstalls:
             missing="the virtual environment has no python",
         )
         entry = Path(venv / "bin" / engine.python_binaries[0])
-        await trio.to_thread.run_sync(_finish_venv, root, entry, f"{label}: pip installed {requirement}")
+        await trio.to_thread.run_sync(_check_entry, root, entry, f"{label}: pip installed {requirement}")
+        problem = await _check_flags(engine, venv, label, on_progress)
+        await trio.to_thread.run_sync(_mark_done, root, {"what": requirement, "check_problem": problem})
+        if problem:
+            raise InstallFailed(problem)
 
     def _install_blocking(self, url: str, build: Path, on_progress: Callable[[str], None]) -> None:
         shown = weight_rules.shown_url(url)
@@ -352,9 +368,59 @@ def _empty_dir(engines_dir: Path, root: Path) -> None:
     os.chmod(root, 0o755)
 
 
-def _finish_venv(root: Path, entry: Path, what: str) -> None:
-    """Checks the engine's entry point is there, opens the tree to every user, marks it complete."""
+def _check_entry(root: Path, entry: Path, what: str) -> None:
+    """Checks the engine's entry point is there and opens the tree to every user."""
     if not entry.is_file():
         raise InstallFailed(f"engine install: {what}, and it has no {entry.name}")
     _readable_by_all(root)
-    (root / rules.VENV_DONE).write_text(json.dumps({"what": what, "installed_at": time.time()}) + "\n")
+
+
+def _mark_done(root: Path, record: dict) -> None:
+    path = root / rules.VENV_DONE
+    path.write_text(json.dumps({**record, "installed_at": time.time()}) + "\n")
+    os.chmod(path, 0o644)
+
+
+def _read_done(root: Path) -> dict | None:
+    """The install's completion record; None while there is none (or it is unreadable)."""
+    try:
+        record = json.loads((root / rules.VENV_DONE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+async def _check_flags(
+    engine: Engine, venv: Path, label: str, on_progress: Callable[[str], None]
+) -> str | None:
+    """ctl engine-check's check, against the new install before its first replica: every flag
+    llmgw can give the engine, against the installed engine's own help. Why it fails, or None."""
+    check = engine.help
+    if check.program not in engine.python_binaries:
+        return None
+    command = [str(venv / "bin" / check.program), *check.help_args]
+    shown = " ".join([Path(command[0]).name, *check.help_args])
+    on_progress(f"installing {label}: checking its flags against `{shown}`")
+    try:
+        with trio.fail_after(HELP_TIMEOUT):
+            done = await trio.run_process(
+                command,
+                stdin=subprocess.DEVNULL,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env={**os.environ, **flags.HELP_ENV},
+            )
+    except (OSError, trio.TooSlowError) as exc:
+        return f"engine check: {label}: `{shown}` did not answer: {exc or 'timed out'}"
+    text = done.stdout.decode(errors="replace")
+    if done.returncode != 0 or not text.strip():
+        tail = (text + done.stderr.decode(errors="replace")).strip()[-300:]
+        return f"engine check: {label}: `{shown}` exited {done.returncode}: {tail}"
+    commands = flags.widest_commands(engine.name)
+    result = flags.check([c.options for c in commands], text, engine=engine.name)
+    if result.truncated_warning:
+        log.warning("engine check of %s: %s", label, result.truncated_warning)
+    users = {flag: flags.users_of(flag, commands) for flag in result.missing}
+    problem = flags.install_problem(result, users)
+    return f"engine check: {label}: {problem}" if problem else None

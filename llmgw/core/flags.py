@@ -25,6 +25,9 @@ _DESCRIPTION = re.compile(r"\s{2,}(?=[^\s-])")
 # reported five live flags as missing; each minimum is about four fifths of what the release
 # llmgw's builders follow prints, so a release that trims its help a little does not warn, and a
 # cut one does.
+# How an engine's help is asked for: wide enough that no option list wraps onto a line of its own,
+# no escape codes among the flags (ctl engine-check, and the agent's check of a new install).
+HELP_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
 ENGINE_ARGV_PREFIX = {name: engine.help.argv_prefix for name, engine in ENGINES.items()}
 MIN_HELP_LINES = {name: engine.help.min_help_lines for name, engine in ENGINES.items()}
 
@@ -71,6 +74,16 @@ def argv_flags(argv: Iterable[str]) -> list[str]:
         if OPTION.fullmatch(name) and name not in flags:
             flags.append(name)
     return flags
+
+
+def install_problem(result: CheckResult, missing_users: dict[str, list[str]]) -> str | None:
+    """Why a newly installed engine should not serve (flags llmgw gives it that its help lacks),
+    or None. A help that looks truncated proves nothing missing, so it passes (with its warning
+    logged by the caller)."""
+    if result.ok or result.truncated_warning is not None:
+        return None
+    named = ", ".join(f"{flag} ({'; '.join(missing_users.get(flag, []))})" for flag in result.missing)
+    return f"its help lacks flags llmgw gives it: {named}"
 
 
 def check(argv_list: Iterable[Sequence[str]], help_text: str, *, engine: str) -> CheckResult:

@@ -24,8 +24,7 @@ from llmgw.ctl.client import CtlError
 
 # vLLM and SGLang import torch before printing anything: tens of seconds on a cold cache.
 HELP_TIMEOUT_S = 120.0
-# Wide enough that no option list wraps onto a line of its own; no escape codes among the flags.
-HELP_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+HELP_ENV = flags.HELP_ENV
 # Where an NVIDIA GPU shows up without loading NVML: the driver's first device node. A node whose
 # GPUs are all hidden from this process still prefers CUDA builds; good enough for a check.
 NVIDIA_DEVICE = Path("/dev/nvidia0")

@@ -38,6 +38,8 @@ def wheelhouse(tmp_path_factory) -> Path:
     house = work / "wheelhouse"
     build_wheel(work, "vllm", "0.33.0", house)
     build_wheel(work, "sglang", "0.5.23", house)
+    # A release that renamed a flag llmgw gives every vLLM (as releases do): its help lacks it.
+    build_wheel(work, "vllm", "0.35.0", house, without_flags=("--served-model-name",))
     return house
 
 
@@ -68,6 +70,12 @@ async def test_pinned_releases_are_installed_offline_once_each_and_run_from_thei
     assert progress.count("installing SGLang 0.5.23: making its virtual environment") == 1
     assert any(line.startswith("installing vLLM 0.33.0: Processing ") for line in progress), progress
     assert any("Successfully installed vllm-0.33.0" in line for line in progress), progress
+    # Checked against its own help before any replica runs it (its help passes).
+    assert "installing vLLM 0.33.0: checking its flags against `vllm serve --help=all`" in progress
+    assert (
+        "installing SGLang 0.5.23: checking its flags against `python -m sglang.launch_server --help`"
+        in progress
+    )
 
     # The shard's command lines name the environment's entry points, and they run.
     binaries = installs.binaries(spec("vllm", "0.33.0"), EngineBinaries())
@@ -109,6 +117,26 @@ async def test_a_version_not_in_the_wheelhouse_fails_with_pips_reason_and_leaves
 
     with pytest.raises(InstallFailed, match="expected a pinned release"):
         offline(engines_dir, wheelhouse).binaries(spec("vllm", ">=0.33"), EngineBinaries())
+
+
+async def test_a_release_whose_help_lacks_a_flag_fails_its_shards_and_is_not_installed_again(
+    tmp_path: Path, wheelhouse: Path
+) -> None:
+    engines_dir = tmp_path / "engines"
+    progress: list[str] = []
+    with pytest.raises(InstallFailed) as failed:
+        await offline(engines_dir, wheelhouse).ensure(spec("vllm", "0.35.0"), progress.append)
+    reason = str(failed.value)
+    assert reason.startswith(
+        "engine check: vLLM 0.35.0: its help lacks flags llmgw gives it: --served-model-name ("
+    )
+    assert "vLLM mp 2 nodes, rank 0" in reason  # which commands use it
+    # Kept and marked: the next shard fails at once with the same reason, without pip.
+    assert (engines_dir / "vllm-0.35.0" / "installed.json").is_file()
+    later: list[str] = []
+    with pytest.raises(InstallFailed) as again:
+        await offline(engines_dir, tmp_path / "no-wheelhouse").ensure(spec("vllm", "0.35.0"), later.append)
+    assert str(again.value) == reason and later == []
 
 
 async def test_a_partial_environment_left_by_a_dead_agent_is_made_again(

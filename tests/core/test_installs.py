@@ -95,3 +95,18 @@ def test_venv_layout_and_progress_lines() -> None:
     )
     assert pip_progress("Requirement already satisfied: pip") is None
     assert pip_progress("") is None
+
+
+def test_a_new_install_fails_its_check_only_for_flags_a_complete_help_lacks() -> None:
+    from llmgw.core.flags import CheckResult, install_problem
+
+    users = {"--served-model-name": ["vLLM mp 2 nodes, rank 0", "vLLM, adapters loaded at run time"]}
+    missing = CheckResult(missing=("--served-model-name",), truncated_warning=None)
+    assert install_problem(missing, users) == (
+        "its help lacks flags llmgw gives it: --served-model-name (vLLM mp 2 nodes, rank 0; vLLM, adapters"
+        " loaded at run time)"
+    )
+    # A help that looks cut proves nothing missing: it passes (the caller logs the warning).
+    cut = CheckResult(missing=("--served-model-name",), truncated_warning="the help has 34 lines")
+    assert install_problem(cut, users) is None
+    assert install_problem(CheckResult(missing=(), truncated_warning=None), {}) is None
