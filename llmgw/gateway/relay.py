@@ -156,50 +156,66 @@ class Relay:
         """Answers one model request. ``trace_context``: the client's traceparent (and
         tracestate) headers, when tracing is on."""
         record = RequestRecord(path=path, started=trio.current_time())
-        span = tracing.NO_SPAN
-        if tracing.enabled():
-            operation = OPERATIONS.get(path, path)
-            span = tracing.start(
-                operation,
-                {"gen_ai.operation.name": operation, "http.request.method": "POST", "url.path": path},
-                parent=trace_context or None,
-                kind="server",
-            )
-        ticket = None
+        if not tracing.enabled():  # the one check a request pays for tracing when it is off
+            await self._answer(client, path, body, authorization, record, tracing.NO_SPAN)
+            return
+        operation = OPERATIONS.get(path, path)
+        span = tracing.start(
+            operation,
+            {"gen_ai.operation.name": operation, "http.request.method": "POST", "url.path": path},
+            parent=trace_context or None,
+            kind="server",
+        )
         try:
             with tracing.use(span):
-                try:
-                    with tracing.span("gateway.authenticate"):
-                        caller = self.gate.authenticate(authorization) if self.gate is not None else None
-                    payload = _json_object(body)
-                    model = payload.get("model")
-                    if not isinstance(model, str):
-                        raise GatewayError(400, "the body has no 'model' string", code="missing_model")
-                    record.model = model
-                    if span is not tracing.NO_SPAN:
-                        _request_attributes(span, model, payload)
-                    if self.gate is not None:
-                        if model not in self.router.models():
-                            raise GatewayError(
-                                404, f"The model '{model}' does not exist", code="model_not_found"
-                            )
-                        ticket = await self.gate.admit(caller, model, payload, len(body))
-                    await self._forward(client, path, payload, body, record, ticket)
-                except GatewayError as error:
-                    record.status = error.status
-                    await client.error(error)
-                    record.completed = True
-                    if error.status >= 500:  # the gateway's failure; a 4xx is the client's
-                        tracing.fail(span, f"{error.status} {error.code}: {error}")
-                finally:
-                    record.finished = trio.current_time()
-                    if ticket is not None:
-                        self.gate.finish(ticket, record)
-                    if self.on_done is not None:
-                        self.on_done(record)
+                await self._answer(client, path, body, authorization, record, span)
         finally:
-            if span is not tracing.NO_SPAN:
-                _end_request_span(span, record)
+            _end_request_span(span, record)
+
+    async def _answer(
+        self,
+        client: Responder,
+        path: str,
+        body: bytes,
+        authorization: str | None,
+        record: RequestRecord,
+        span: Any,
+    ) -> None:
+        """``span``: the request's (current), or NO_SPAN: then nothing here touches tracing."""
+        traced = span is not tracing.NO_SPAN
+        ticket = None
+        try:
+            if self.gate is None:
+                caller = None
+            elif traced:
+                with tracing.span("gateway.authenticate"):
+                    caller = self.gate.authenticate(authorization)
+            else:
+                caller = self.gate.authenticate(authorization)
+            payload = _json_object(body)
+            model = payload.get("model")
+            if not isinstance(model, str):
+                raise GatewayError(400, "the body has no 'model' string", code="missing_model")
+            record.model = model
+            if traced:
+                _request_attributes(span, model, payload)
+            if self.gate is not None:
+                if model not in self.router.models():
+                    raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
+                ticket = await self.gate.admit(caller, model, payload, len(body))
+            await self._forward(client, path, payload, body, record, ticket, traced)
+        except GatewayError as error:
+            record.status = error.status
+            await client.error(error)
+            record.completed = True
+            if traced and error.status >= 500:  # the gateway's failure; a 4xx is the client's
+                tracing.fail(span, f"{error.status} {error.code}: {error}")
+        finally:
+            record.finished = trio.current_time()
+            if ticket is not None:
+                self.gate.finish(ticket, record)
+            if self.on_done is not None:
+                self.on_done(record)
 
     async def _forward(
         self,
@@ -209,6 +225,7 @@ class Relay:
         body: bytes,
         record: RequestRecord,
         ticket: Any = None,
+        traced: bool = False,
     ) -> None:
         model = record.model
         record.stream = payload.get("stream") is True
@@ -235,9 +252,12 @@ class Relay:
         self._exchanges.add(exchange)
         try:
             with scope:
-                pool, connection = await self._send(upstreams, path, body, record, exchange)
+                pool, connection = await self._send(upstreams, path, body, record, exchange, traced)
                 record.status = connection.status
-                with tracing.span("gateway.relay"):
+                if traced:
+                    with tracing.span("gateway.relay"):
+                        await self._relay_body(client, pool, connection, strip_usage, record)
+                else:
                     await self._relay_body(client, pool, connection, strip_usage, record)
         finally:
             self._exchanges.discard(exchange)
@@ -262,6 +282,7 @@ class Relay:
         body: bytes,
         record: RequestRecord,
         exchange: _Exchange | None = None,
+        traced: bool = False,
     ) -> tuple[UpstreamPool, EngineConnection]:
         """Sends the request to the first upstream that takes it, and reads the answer's head.
         A failed connect, or a connection dropped before a byte of answer, moves on to the next:
@@ -273,51 +294,56 @@ class Relay:
             if pool is None:
                 pool = self.pools[key] = UpstreamPool(upstream.host, upstream.port, max_idle=self.max_idle)
             sent = _with_members(body, upstream.body_members) if upstream.body_members else body
-            attributes = None
-            if tracing.enabled():
-                attributes = {
-                    "server.address": upstream.host,
-                    "server.port": upstream.port,
-                    "llmgw.replica": upstream.replica,
-                }
-            with tracing.span("gateway.upstream", attributes, kind="client") as attempt:
-                head = self._head(upstream, path)
-                if attempt is not tracing.NO_SPAN:
-                    # The engine continues the trace, where it traces (vLLM with an OTLP endpoint).
-                    head = with_header(head, tracing.inject(attempt))
-                request = request_bytes(head, sent)
+            head = self._head(upstream, path)
+            attempt = tracing.NO_SPAN
+            if traced:
+                attributes = {"server.address": upstream.host, "server.port": upstream.port}
+                attempt = tracing.start(
+                    "gateway.upstream", {**attributes, "llmgw.replica": upstream.replica}, kind="client"
+                )
+                # The engine continues the trace, where it traces (vLLM with an OTLP endpoint).
+                head = with_header(head, tracing.inject(attempt))
+            request = request_bytes(head, sent)
+            try:
+                connection = await pool.acquire()
+                record.upstream = upstream
+                if exchange is not None:
+                    exchange.connection = connection
                 try:
-                    connection = await pool.acquire()
-                    record.upstream = upstream
+                    await _exchange(connection, request)
+                except _NoAnswer as dropped:
+                    if not dropped.reused:
+                        raise
+                    # The engine closed this kept-alive connection as we reused it (llama.cpp
+                    # does after a stream): it never read the request, so a fresh one may carry
+                    # it — unless the engine is gone, and then the connect fails like any other.
+                    connection = await pool.connect()
                     if exchange is not None:
                         exchange.connection = connection
-                    try:
-                        await _exchange(connection, request)
-                    except _NoAnswer as dropped:
-                        if not dropped.reused:
-                            raise
-                        # The engine closed this kept-alive connection as we reused it (llama.cpp
-                        # does after a stream): it never read the request, so a fresh one may carry
-                        # it — unless the engine is gone, and then the connect fails like any other.
-                        connection = await pool.connect()
-                        if exchange is not None:
-                            exchange.connection = connection
-                        await _exchange(connection, request)
-                except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
-                    log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
-                    tracing.fail(attempt, f"connect: {error}")
-                    failure = error
-                except _NoAnswer as dropped:
-                    # A fresh connection dropped without a byte of answer: an engine dying (or one
-                    # just started in its place) that served nothing, so the next may serve it.
-                    log.warning(
-                        "%s:%d dropped a request unanswered: %r", upstream.host, upstream.port, dropped.error
-                    )
-                    tracing.fail(attempt, f"dropped unanswered: {dropped.error!r}")
-                    failure = dropped.error
-                else:
+                    await _exchange(connection, request)
+            except OSError as error:  # only a connect raises it: _exchange turns failures into 502s
+                log.warning("cannot connect to %s:%d: %s", upstream.host, upstream.port, error)
+                failure = error
+                why = f"connect: {error}"
+            except _NoAnswer as dropped:
+                # A fresh connection dropped without a byte of answer: an engine dying (or one
+                # just started in its place) that served nothing, so the next may serve it.
+                log.warning(
+                    "%s:%d dropped a request unanswered: %r", upstream.host, upstream.port, dropped.error
+                )
+                failure = dropped.error
+                why = f"dropped unanswered: {dropped.error!r}"
+            except BaseException as error:
+                if traced:  # a 502 from _exchange, or a cancellation (not the engine's failure)
+                    tracing.end(attempt, error=str(error) if isinstance(error, Exception) else None)
+                raise
+            else:
+                if traced:
                     attempt.set_attribute("http.response.status_code", connection.status)
-                    return pool, connection
+                    tracing.end(attempt)
+                return pool, connection
+            if traced:
+                tracing.end(attempt, error=why)
             record.upstream = None
         if isinstance(failure, OSError):
             raise GatewayError(502, f"Cannot reach the engine: {failure}", code="upstream_unreachable")

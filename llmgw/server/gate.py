@@ -181,40 +181,48 @@ class ControlPlaneGate:
         quotas = {("tenant", caller.tenant): (tenant.limits if tenant is not None else None) or Limits()}
         if caller.limits is not None:
             quotas[("key", caller.id)] = caller.limits
-        traced = tracing.enabled()
+        traced = tracing.enabled()  # off: one check, nothing else
         if traced:
             request_span = tracing.current()
             request_span.set_attribute("llmgw.tenant", caller.tenant)
             request_span.set_attribute("llmgw.key_id", caller.id)
             if adapter is not None:
                 request_span.set_attribute("llmgw.adapter", adapter)
-        with tracing.span("gateway.quota"):
-            reserved = self._quotas.reserve(quotas, estimate_tokens(payload, body_size), now)
-            if isinstance(reserved, Refused):
-                who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
-                raise GatewayError(
-                    429,
-                    f"{who} is over its {_LIMIT_NAMES[reserved.limit]} quota; retry after {reserved.retry_after:.0f} s",
-                    code="rate_limit_exceeded",
-                    retry_after=reserved.retry_after,
-                )
+            quota_span = tracing.start("gateway.quota")
+        reserved = self._quotas.reserve(quotas, estimate_tokens(payload, body_size), now)
+        if isinstance(reserved, Refused):
+            who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
+            refusal = GatewayError(
+                429,
+                f"{who} is over its {_LIMIT_NAMES[reserved.limit]} quota; retry after {reserved.retry_after:.0f} s",
+                code="rate_limit_exceeded",
+                retry_after=reserved.retry_after,
+            )
+            if traced:
+                tracing.end(quota_span, error=str(refusal))
+            raise refusal
+        if traced:
+            tracing.end(quota_span)
         ticket = Ticket(
             key=caller, model=model, reservation=reserved, wall_started=time.time(), adapter=adapter
         )
+        if traced:
+            waited = tracing.start("gateway.admission", {"llmgw.model": model, "llmgw.band": caller.band})
         try:
-            attributes = {"llmgw.model": model, "llmgw.band": caller.band} if traced else None
-            with tracing.span("gateway.admission", attributes) as waited:
-                ticket.replica, ticket.upstreams, outcome = await self._wait_for_room(
-                    caller, model, payload, now, adapter
-                )
-                if traced:
-                    routes = self._router.routes(model)
-                    waited.set_attribute("llmgw.route.policy", routes.policy if routes is not None else "")
-                    waited.set_attribute("llmgw.route.replica", ticket.replica)
-                    waited.set_attribute("llmgw.route.outcome", outcome)
-        except BaseException:
+            ticket.replica, ticket.upstreams, outcome = await self._wait_for_room(
+                caller, model, payload, now, adapter
+            )
+        except BaseException as error:
             self._quotas.release(reserved)
+            if traced:  # a refusal (a full queue, a timeout) fails it; a client gone does not
+                tracing.end(waited, error=str(error) if isinstance(error, Exception) else None)
             raise
+        if traced:
+            routes = self._router.routes(model)
+            waited.set_attribute("llmgw.route.policy", routes.policy if routes is not None else "")
+            waited.set_attribute("llmgw.route.replica", ticket.replica)
+            waited.set_attribute("llmgw.route.outcome", outcome)
+            tracing.end(waited)
         return ticket
 
     def finish(self, ticket: Ticket, record: RequestRecord) -> None:

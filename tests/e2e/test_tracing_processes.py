@@ -101,7 +101,15 @@ def test_a_replica_started_on_a_real_agent_is_one_trace_from_server_to_node(tmp_
         (service, agent_span), *_ = until_ready
         assert service == "llmgw-agent"
         trace_id = agent_span.trace_id
-        in_trace = [(svc, s) for svc, s in receiver.spans if s.trace_id == trace_id]
+        wanted = {"reconcile.pass", "reconcile.StartReplica", "replica.start_shard", "agent.start_shard"}
+
+        def whole() -> list:
+            # Each process exports in its own batches: the server's may come after the agent's.
+            with receiver.lock:
+                found = [(svc, s) for svc, s in receiver.spans if s.trace_id == trace_id]
+            return found if wanted <= {s.name for _, s in found} else []
+
+        in_trace = wait_until(whole, "the server's spans of the replica's trace")
         services = {svc for svc, _ in in_trace}
         assert services == {"llmgw-server", "llmgw-agent"}
         by_name = {s.name: (svc, s) for svc, s in in_trace}
