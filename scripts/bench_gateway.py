@@ -23,12 +23,19 @@ Every process it starts is stopped by its process group, also on Ctrl-C; all tra
     .venv/bin/python scripts/bench_gateway.py                      # 1 and 64 connections, 10 s each
     .venv/bin/python scripts/bench_gateway.py --workers 2          # gateway.workers: 2 in server.yaml
     .venv/bin/python scripts/bench_gateway.py --seconds 3 --no-router   # a smoke run
+    .venv/bin/python scripts/bench_gateway.py --tracing both --no-router  # the cost of tracing
+
+--tracing on runs llmgw with OpenTelemetry tracing at sample_ratio 1.0, exporting over OTLP/HTTP to
+a receiver this script runs on 127.0.0.1 (it decodes every export and counts the spans, printed
+per request: fewer than a request makes means the SDK's export queue overflowed and dropped
+some); --tracing both runs llmgw twice, off then on, and prints the two side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import http.server
 import json
 import os
 import pwd
@@ -38,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -189,8 +197,17 @@ def public_engine() -> tuple[Path, Path]:
 class Llmgw:
     """The real thing in a temporary directory: a server, one agent, ctl and the admin API."""
 
-    def __init__(self, work: Path, wrapper: Path, model: Path, workers: int | None, deadline: float) -> None:
+    def __init__(
+        self,
+        work: Path,
+        wrapper: Path,
+        model: Path,
+        workers: int | None,
+        deadline: float,
+        tracing: str | None = None,
+    ) -> None:
         self.work = work
+        self.tracing = tracing  # the OTLP endpoint, or None: tracing off (no block at all)
         self.wrapper = wrapper
         self.model = model
         self.workers = workers
@@ -213,6 +230,8 @@ class Llmgw:
             "admin": {"listen": "127.0.0.1:0"},
             "gateway": gateway,
         }
+        if self.tracing is not None:
+            config["tracing"] = {"endpoint": self.tracing, "sample_ratio": 1.0}
         server_yaml = write_private(self.work / "server.yaml", yaml.safe_dump(config))
         self.server = self._spawn(["server", "--config", str(server_yaml)], "server.log")
         self.endpoints = wait_for(self._read_endpoints, "the server to listen", self.deadline, [self.server])
@@ -587,6 +606,50 @@ def rate(r: dict) -> float:
     return r["requests"] / (r["duration_us"] / 1e6)
 
 
+# ------------------------------------------------------------------------------------ tracing
+
+
+class SpanReceiver:
+    """An OTLP/HTTP collector on 127.0.0.1 that counts the spans it is sent (in this process, whose
+    CPU is not the gateway's)."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        self.spans = 0
+        self.lock = threading.Lock()
+        receiver = self
+        answer = ExportTraceServiceResponse().SerializeToString()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+                count = sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
+                with receiver.lock:
+                    receiver.spans += count
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -610,6 +673,13 @@ def main() -> int:
         " unset: the server's default, and the key is left out, for servers that do not know it",
     )
     parser.add_argument("--no-router", action="store_true", help="skip vllm-router, the yardstick")
+    parser.add_argument(
+        "--tracing",
+        choices=("off", "on", "both"),
+        default="off",
+        help="llmgw with OpenTelemetry tracing off (default), on at sample_ratio 1.0 (to a local"
+        " OTLP/HTTP receiver), or both, one after the other",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -650,15 +720,30 @@ def main() -> int:
         deadline = time.monotonic() + args.deadline
         columns = {}
 
-        llmgw = Llmgw(work, wrapper, model, args.workers, deadline)
-        running.append(llmgw)
-        llmgw.start()
-        key = llmgw.deploy()
-        label = "llmgw" if args.workers is None else f"llmgw ×{args.workers}"
-        print(f"==> {label}: server pid {llmgw.server.pid}, gateway {llmgw.gateway_url}", flush=True)
-        columns[label] = measure("llmgw", wrk, work, llmgw.gateway_url, key, llmgw.server.pid, args)
-        llmgw.stop()
-        running.remove(llmgw)
+        for traced in {"off": [False], "on": [True], "both": [False, True]}[args.tracing]:
+            receiver = SpanReceiver() if traced else None
+            if receiver is not None:
+                running.append(receiver)
+            run_dir = work / ("traced" if traced else "untraced")
+            run_dir.mkdir()
+            llmgw = Llmgw(run_dir, wrapper, model, args.workers, deadline, receiver.url if receiver else None)
+            running.append(llmgw)
+            llmgw.start()
+            key = llmgw.deploy()
+            label = "llmgw" if args.workers is None else f"llmgw ×{args.workers}"
+            label += ", tracing 1.0" if traced else ""
+            print(f"==> {label}: server pid {llmgw.server.pid}, gateway {llmgw.gateway_url}", flush=True)
+            columns[label] = measure("llmgw", wrk, run_dir, llmgw.gateway_url, key, llmgw.server.pid, args)
+            llmgw.stop()
+            running.remove(llmgw)
+            if receiver is not None:
+                requests = sum(r["requests"] for r in columns[label].values())
+                # Warm-up requests are traced too: a bound from above, for a dropped-spans check.
+                print(
+                    f"  spans received: {receiver.spans} ({receiver.spans / requests:.1f} per measured request)"
+                )
+                receiver.stop()
+                running.remove(receiver)
 
         if router_binary is not None:
             router = Router(work, router_binary, wrapper, time.monotonic() + args.deadline)
