@@ -212,6 +212,17 @@ class LinkConfig:
 
 
 @attrs.frozen(kw_only=True)
+class HaConfig:
+    """Two or more servers on one PostgreSQL store (docs/ha.md): one leads, by a lease."""
+
+    # The leader renews its lease every third of this; a follower takes a lapsed lease at its
+    # next look. A leader killed outright is replaced within lease + lease/3 (8 s at 6 s), inside
+    # a 10 s failover target with room for the new leader's first pass; shorter leases cost a
+    # store write per server every lease/3 and step a leader down on a store hiccup that long.
+    lease: Duration = 6.0
+
+
+@attrs.frozen(kw_only=True)
 class AdminConfig:
     """The admin API and status page."""
 
@@ -369,6 +380,7 @@ class ServerConfig:
     gateway: GatewayConfig = attrs.field(factory=GatewayConfig)
     reconcile: ReconcileSection = attrs.field(factory=ReconcileSection)
     tracing: TracingConfig = attrs.field(factory=TracingConfig)
+    ha: HaConfig = attrs.field(factory=HaConfig)
     # Catalog entries owned by this file: written into the store at every start, replacing what
     # an earlier server.yaml declared; the admin API cannot change or remove them.
     models: CatalogModels = ()
@@ -393,6 +405,9 @@ class AgentServerConfig:
     """How the agent reaches the server."""
 
     address: Address = Address(host="127.0.0.1", port=7070)
+    # Every server sharing one store (docs/ha.md): the agent links to each, obeys the leader and
+    # reports to all, so any of them routes to its engines. Set, it replaces ``address``.
+    addresses: tuple[Address, ...] = ()
     # None: the caller uses $LLMGW_JOIN_TOKEN, else <default_home()>/server/join-token (the
     # server's own file when both run on one machine).
     join_token_file: Path | None = None
@@ -400,6 +415,10 @@ class AgentServerConfig:
     ca_file: Path | None = None
     # The TLS name to verify; None: the address's host.
     server_name: str | None = None
+
+    @property
+    def all_addresses(self) -> tuple[Address, ...]:
+        return self.addresses or (self.address,)
 
 
 @attrs.frozen(kw_only=True)

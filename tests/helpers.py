@@ -57,12 +57,16 @@ async def start_link_server(
     missed: int = 4,
     handshake_timeout: float = 2.0,
     token: str = "join-secret",
+    leadership=None,
 ) -> LinkServer:
-    """A store, a registry and the link listener, in ``nursery``; cancel ``.cancel`` to stop it."""
+    """A store, a registry and the link listener, in ``nursery``; cancel ``.cancel`` to stop it.
+    ``leadership``: what the listener tells agents of the leader lease (None: it leads, term 0)."""
     store = await open_store(data_dir)
     registry = NodeRegistry(store, Liveness(interval=interval, missed=missed))
     await registry.load()
-    listener = LinkListener(registry, tokens.digest(token), handshake_timeout=handshake_timeout)
+    listener = LinkListener(
+        registry, tokens.digest(token), handshake_timeout=handshake_timeout, leadership=leadership
+    )
     cancel = trio.CancelScope()
 
     async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -575,7 +575,7 @@ def test_bad_node_name(value: str, got: str) -> None:
         ),
         (
             "datadir: /x\n",
-            "server.yaml: datadir: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, models, profiles)",
+            "server.yaml: datadir: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, ha, models, profiles)",
         ),
         (
             "link:\n  heartbeat: 5s\n",
@@ -588,7 +588,7 @@ def test_bad_node_name(value: str, got: str) -> None:
         ),
         (
             "1: x\n",
-            "server.yaml: 1: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, models, profiles)",
+            "server.yaml: 1: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, ha, models, profiles)",
         ),
     ],
 )
@@ -605,7 +605,7 @@ def test_server_unknown_key(text: str, message: str) -> None:
         ),
         (
             "server:\n  adress: h:1\n",
-            "agent.yaml: server.adress: unknown key (expected one of: address, join_token_file, ca_file, server_name)",
+            "agent.yaml: server.adress: unknown key (expected one of: address, addresses, join_token_file, ca_file, server_name)",
         ),
         (
             "reconnect:\n  max: 5s\n",
@@ -658,7 +658,7 @@ def test_server_options_do_not_belong_in_agent_yaml() -> None:
         ),
         (
             "zz: 1\nyy: 2\n",
-            "server.yaml: zz: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, models, profiles)",
+            "server.yaml: zz: unknown key (expected one of: data_dir, log_level, store, store_password_file, link, admin, gateway, reconcile, tracing, ha, models, profiles)",
         ),
     ],
 )

@@ -17,9 +17,11 @@ import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+import attrs
 import trio
 
 from llmgw import __version__, tracing
+from llmgw.agent.terms import TermBook
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.liveness import Liveness
 from llmgw.core.shard import ShardSpec
@@ -119,6 +121,7 @@ class AgentLink:
         shards: ShardHost | None = None,
         jobs: JobHost | None = None,
         adapters: AdapterHost | None = None,
+        terms: TermBook | None = None,
     ) -> None:
         self.node = node
         self._host, self._port = host, port
@@ -142,6 +145,21 @@ class AgentLink:
         self._session_up = trio.Event()
         self.registrations = 0  # how many times a session was established (tests, status)
         self.connected = False
+        # The newest leader term seen on any link (shared by an agent's links); whether this
+        # link's server said it leads, as of its last word.
+        self.terms = terms or TermBook()
+        self.server_leads = False
+        self.server_term = 0
+        self.fenced = 0  # commands refused as fenced on this link (tests, status)
+
+    @property
+    def address(self) -> str:
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+
+    @property
+    def leading(self) -> bool:
+        """Whether this link is up to the server that leads under the newest term seen."""
+        return self.connected and self.server_leads and self.server_term >= self.terms.newest
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keeps a session up forever; raises JoinRefused when the server says no for good."""
@@ -194,13 +212,15 @@ class AgentLink:
                 outcome = (False, str(exc) or type(exc).__name__)
             finally:
                 self.connected = False
+                was_leading, self.server_leads = self.server_leads, False
                 if self._session is link:
                     self._session = None
                     self._session_up = trio.Event()
                 with trio.CancelScope(shield=True):
                     await link.aclose("agent closing the link")
-                    if self._adapters is not None:
-                        # Pieces of another session would not continue this one's.
+                    if self._adapters is not None and was_leading:
+                        # Pieces of another session would not continue this one's. Only the
+                        # leader delivers adapters: a follower's link ending leaves them be.
                         await self._adapters.abandon()
                 nursery.cancel_scope.cancel()
         if refused is not None:
@@ -236,6 +256,7 @@ class AgentLink:
             raise JoinRefused(f"the server refused this agent: {reply.reason}")
         if not isinstance(reply, Registered):
             raise LinkClosed(f"expected Registered, got {type(reply).__name__}")
+        self._heard_leader(reply.term, reply.leader)
         return Liveness(interval=reply.heartbeat_interval, missed=reply.missed_heartbeats)
 
     # --- shard status reports -------------------------------------------------------------------
@@ -254,7 +275,13 @@ class AgentLink:
 
     async def _send_statuses(self, link: H2Link) -> None:
         async for status in self._status_receive:
+            if status.spec is None and self._shards is not None:
+                status = attrs.evolve(status, spec=self._spec_of(status.shard_id))
             await link.send(status)
+
+    def _spec_of(self, shard_id: str) -> ShardSpec | None:
+        assert self._shards is not None
+        return next((s.spec for s in self._shards.running() if s.spec.shard_id == shard_id), None)
 
     # --- job status reports and uploads ---------------------------------------------------------
 
@@ -325,8 +352,8 @@ class AgentLink:
                     match message:
                         case Goodbye(reason=reason):
                             return f"the server said goodbye: {reason}"
-                        case Heartbeat():
-                            pass
+                        case Heartbeat(term=term, leader=leader):
+                            self._heard_leader(term, leader)
                         case Ping(id=command_id, payload=payload):
                             await link.send(Pong(reply_to=command_id, payload=payload, node=self.node))
                         case AdapterPiece():
@@ -344,6 +371,24 @@ class AgentLink:
                             | PutAdapter()
                             | AdapterDone()
                         ):
+                            verdict = self.terms.admit(message.term)
+                            if not verdict.ok:
+                                # Decided by a server that lost the lease since: not acted on.
+                                self.fenced += 1
+                                log.warning(
+                                    "refused a %s from %s: %s",
+                                    type(message).__name__,
+                                    self.address,
+                                    verdict.reason,
+                                )
+                                reply = CommandResult(
+                                    reply_to=message.id,
+                                    ok=False,
+                                    message=verdict.reason,
+                                    fenced=verdict.newest,
+                                )
+                                await link.send(reply)
+                                continue
                             nursery.start_soon(_until_closed, execute, message)
                         case _:
                             log.warning("ignoring a %s from the server: unknown here", type(message).__name__)
@@ -352,6 +397,12 @@ class AgentLink:
                 return str(exc)
             finally:
                 nursery.cancel_scope.cancel()
+
+    def _heard_leader(self, term: int, leader: bool) -> None:
+        self.terms.heard(term)
+        # A server that says it leads under an older term than one seen elsewhere is stale
+        # (``leading`` compares again, as newer terms are heard on other links).
+        self.server_leads, self.server_term = leader, term
 
     async def _execute(
         self, command: StartShard | StopShard | DrainShard | StartJob | CancelJob | PutAdapter | AdapterDone
@@ -430,3 +481,50 @@ async def _until_closed(fn: Callable, *args) -> None:
         await fn(*args)
     except LinkClosed:
         pass  # the receive loop reports why
+
+
+class ServerLinks:
+    """An agent's links to every server sharing one store (server.addresses), one AgentLink each.
+
+    Each link registers with its server and reports every shard status to it, so each server
+    routes to this node's engines and a new leader already knows what runs here. Commands are
+    obeyed from whichever link they come, if their term is not older than the newest seen on any
+    (one TermBook for all). Training jobs' statuses and uploads go to the server that leads.
+    """
+
+    def __init__(self, links: list[AgentLink]) -> None:
+        if not links:
+            raise ValueError("an agent needs at least one server address")
+        self.links = links
+        self.node = links[0].node
+
+    @property
+    def registrations(self) -> int:
+        return sum(link.registrations for link in self.links)
+
+    @property
+    def connected(self) -> bool:
+        return any(link.connected for link in self.links)
+
+    @property
+    def terms(self) -> TermBook:
+        return self.links[0].terms
+
+    def _leader_link(self) -> AgentLink:
+        return next((link for link in self.links if link.leading), self.links[0])
+
+    def report(self, status: ShardStatus) -> None:
+        for link in self.links:
+            link.report(status)
+
+    def report_job(self, status: JobStatus) -> None:
+        self._leader_link().report_job(status)
+
+    async def upload(self, status: JobStatus, pieces: AsyncIterator[JobPiece]) -> None:
+        await self._leader_link().upload(status, pieces)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for link in self.links:
+                await nursery.start(link.run)
+            task_status.started()

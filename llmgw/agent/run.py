@@ -22,8 +22,9 @@ from llmgw.agent.discovery import discover
 from llmgw.agent.discovery.nvml import read_gpus
 from llmgw.agent.discovery.simulated import NvmlOff, read_simulated
 from llmgw.agent.installs import EngineInstalls, PythonEngineSource
-from llmgw.agent.link import AgentLink
+from llmgw.agent.link import AgentLink, ServerLinks
 from llmgw.agent.supervisor import Supervisor
+from llmgw.agent.terms import TERM_FILE, TermBook
 from llmgw.agent.trainer import Trainer
 from llmgw.agent.weights import WeightsCache
 from llmgw.config import AgentConfig, ConfigError, default_home, load_simulated_node
@@ -119,7 +120,11 @@ def make_link(
     supervisor: Supervisor | None,
     trainer: Trainer | None = None,
     adapters: AdapterCache | None = None,
-) -> AgentLink:
+) -> ServerLinks:
+    """One link per server address, sharing one book of leader terms (in the work dir, so a
+    restarted agent still refuses a leader older than one it obeyed)."""
+    terms = TermBook(config.work_dir / TERM_FILE)
+
     def discover_node(local_address: str):
         # GPU memory held by our own shards and training jobs is not foreign; own_pids reads
         # /proc (we are in a worker thread here already).
@@ -132,19 +137,26 @@ def make_link(
             node=node_name(config),
         )
 
-    return AgentLink(
-        node=node_name(config),
-        host=config.server.address.host,
-        port=config.server.address.port,
-        join_token=join_token(config),
-        discover=discover_node,
-        ssl_context=client_ssl_context(config),
-        server_name=config.server.server_name,
-        initial_delay=config.reconnect.initial_delay,
-        max_delay=config.reconnect.max_delay,
-        shards=supervisor,
-        jobs=trainer,
-        adapters=adapters,
+    token, ssl_context = join_token(config), client_ssl_context(config)
+    return ServerLinks(
+        [
+            AgentLink(
+                node=node_name(config),
+                host=address.host,
+                port=address.port,
+                join_token=token,
+                discover=discover_node,
+                ssl_context=ssl_context,
+                server_name=config.server.server_name,
+                initial_delay=config.reconnect.initial_delay,
+                max_delay=config.reconnect.max_delay,
+                shards=supervisor,
+                jobs=trainer,
+                adapters=adapters,
+                terms=terms,
+            )
+            for address in config.server.all_addresses
+        ]
     )
 
 
@@ -163,7 +175,7 @@ def _own_pids(supervisor: Supervisor | None, trainer: Trainer | None) -> frozens
     return own | (trainer.own_pids() if trainer is not None else frozenset())
 
 
-def make_trainer(config: AgentConfig, supervisor: Supervisor, link_of: Callable[[], AgentLink]) -> Trainer:
+def make_trainer(config: AgentConfig, supervisor: Supervisor, link_of: Callable[[], ServerLinks]) -> Trainer:
     """The trainer; ``link_of`` gives the link, which is made after it (the link lists its jobs)."""
     engines = config.engines
 
@@ -195,7 +207,7 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
     # Others may pass through, not list: the engines' user reaches its home and a job's run
     # directory below here by their full paths; everything else inside is 0600/0700.
     os.chmod(config.work_dir, 0o711)
-    link: AgentLink | None = None
+    link: ServerLinks | None = None
     trainer: Trainer | None = None
     # Stored adapters' copies: the link receives them, the supervisor hands them to engines.
     adapters = AdapterCache(config.work_dir, config.engines.run_as)
@@ -234,7 +246,9 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
     )
     trainer = make_trainer(config, supervisor, lambda: link)
     link = make_link(config, supervisor, trainer, adapters)
-    log.info("llmgw agent %s connecting to %s", link.node, config.server.address)
+    log.info(
+        "llmgw agent %s connecting to %s", link.node, ", ".join(str(a) for a in config.server.all_addresses)
+    )
     try:
         async with trio.open_nursery() as nursery:
             # Adoption first: the first Register must list what an earlier agent left running.

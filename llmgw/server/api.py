@@ -98,6 +98,7 @@ async def serve_admin(
     traffic: TrafficTotals | None = None,
     engine_load: Callable[[str], EngineLoad | None] | None = None,
     workers: Callable[[], list[dict]] | None = None,
+    leadership: Callable[[], dict] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
@@ -125,6 +126,7 @@ async def serve_admin(
             traffic=traffic,
             engine_load=engine_load,
             workers=workers,
+            leadership=leadership,
         )
         nursery.start_soon(app.status_pages.sample_forever)
         binds = await nursery.start(serve, app, config)
@@ -146,6 +148,7 @@ def make_app(
     traffic: TrafficTotals | None = None,  # the gateway's requests, errors, SLO violations
     engine_load: Callable[[str], EngineLoad | None] | None = None,  # a replica's, from its /metrics
     workers: Callable[[], list[dict]] | None = None,  # the gateway workers, as JSON
+    leadership: Callable[[], dict] | None = None,  # the leader lease as this server sees it
 ) -> QuartTrio:
     app = QuartTrio(__name__)
     # The status pages read this API's JSON; the overview counts the same records' fields.
@@ -184,6 +187,14 @@ def make_app(
     @app.get("/admin/v1/workers")
     async def list_workers() -> Response:
         return jsonify(workers=workers() if workers is not None else [])
+
+    @app.get("/admin/v1/leader")
+    async def leader() -> Response:
+        """Which server leads the servers sharing this store, under which term, and whether this
+        one does (docs/ha.md)."""
+        if leadership is None:
+            return jsonify(leader=True, term=0, server="", holder="", holder_address="", live_servers=1)
+        return jsonify(leadership())
 
     @app.get("/admin/v1/nodes")
     async def list_nodes() -> Response:

@@ -144,6 +144,25 @@ class Catalog:
         catalog._warn_about_unfit_profiles()
         return catalog
 
+    async def reload(self) -> bool:
+        """Takes what the store holds now (another server sharing it changed the catalog through
+        its admin API); True, and the change counter bumped, when that differs from ours. Under
+        the lock, so a change of our own is never half-applied when compared."""
+        async with self._lock:
+            entries = _entries(await self._store.list_catalog(), self._store.where)
+            models = {e.name: e for e in entries if e.kind == "model"}
+            profiles = {e.name: e for e in entries if e.kind == "profile"}
+            if (models, profiles) == (self._models, self._profiles):
+                return False
+            self._models, self._profiles = models, profiles
+        log.info(
+            "catalog: changed in the store by another server (%d models, %d profiles)",
+            len(models),
+            len(profiles),
+        )
+        self.changes.bump()
+        return True
+
     # --- reading ----------------------------------------------------------------------------------
 
     def models(self) -> dict[str, Model]:

@@ -139,6 +139,8 @@ class JobManager:
         # Bumped when a job changes or a node comes or goes: the pass may have work.
         self.changes = Changes()
         registry.watchers.append(self)
+        # Set: why no job may be created here (a store shared by several servers).
+        self.refuse_new = ""
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -211,6 +213,8 @@ class JobManager:
 
     async def create(self, body: object) -> core.Job:
         """A new Pending job from the admin API's request body; raises Invalid or Conflict."""
+        if self.refuse_new:
+            raise Conflict([self.refuse_new])
         spec_fields, problems = parse_request(body)
         if problems:
             raise Invalid(problems)

@@ -21,9 +21,11 @@ from llmgw import __version__
 from llmgw.config import NODE_NAME
 from llmgw.core.liveness import Liveness
 from llmgw.server import tokens
+from llmgw.server.changes import Changes
 from llmgw.server.nodes import NodeRegistry
 from llmgw.wire.h2link import LINK_PATH, H2Link, LinkClosed
 from llmgw.wire.messages import (
+    CommandResult,
     Goodbye,
     Heartbeat,
     JobPiece,
@@ -38,6 +40,32 @@ log = logging.getLogger(__name__)
 
 # How long a closing session tries to deliver its Goodbye before dropping the connection.
 GOODBYE_GRACE = 1.0
+
+
+class LeaderView(Protocol):
+    """The leader lease as this server sees it (:class:`llmgw.server.leadership.Leadership`)."""
+
+    term: int
+    changes: Changes
+
+    def acting(self) -> bool: ...
+
+    def fenced(self, newest: int) -> None: ...
+
+
+class _AlwaysLeading:
+    """A server with no lease to share (tests that build a listener alone): leads, term 0."""
+
+    term = 0
+
+    def __init__(self) -> None:
+        self.changes = Changes()
+
+    def acting(self) -> bool:
+        return True
+
+    def fenced(self, newest: int) -> None:
+        log.warning("an agent refused a command as fenced (it has seen term %d)", newest)
 
 
 class JobReports(Protocol):
@@ -55,10 +83,13 @@ class _Pending:
 class AgentSession:
     """One registered agent's link, as the rest of the server sees it."""
 
-    def __init__(self, link: H2Link, node: str, liveness: Liveness) -> None:
+    def __init__(
+        self, link: H2Link, node: str, liveness: Liveness, leadership: LeaderView | None = None
+    ) -> None:
         self.link = link
         self.node = node
         self._liveness = liveness
+        self._leadership = leadership or _AlwaysLeading()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._cancel = trio.CancelScope()
@@ -68,10 +99,14 @@ class AgentSession:
         self.registered = trio.Event()
 
     async def call(self, command: Message) -> Message:
-        """Sends a command with a fresh id and waits for the reply that names it. Callers bound
-        the wait with ``trio.fail_after``; a link that ends first raises LinkClosed."""
+        """Sends a command with a fresh id and this server's leader term, and waits for the reply
+        that names it. Callers bound the wait with ``trio.fail_after``; a link that ends first
+        raises LinkClosed. A reply refusing it as fenced makes this server step down."""
         await self.registered.wait()
-        command = attrs.evolve(command, id=next(self._ids))
+        changes = {"id": next(self._ids)}
+        if "term" in attrs.fields_dict(type(command)):
+            changes["term"] = self._leadership.term
+        command = attrs.evolve(command, **changes)
         pending = self._pending[command.id] = _Pending()
         try:
             await self.link.send(command)
@@ -80,6 +115,9 @@ class AgentSession:
             del self._pending[command.id]
         if pending.reply is None:
             raise LinkClosed(self.link.closed_reason or "the link ended")
+        if isinstance(pending.reply, CommandResult) and pending.reply.fenced:
+            log.warning("node %s refused %s: %s", self.node, type(command).__name__, pending.reply.message)
+            self._leadership.fenced(pending.reply.fenced)
         return pending.reply
 
     async def send(self, message: Message) -> None:
@@ -142,10 +180,15 @@ class AgentSession:
             return str(exc)
 
     async def _send_heartbeats(self) -> None:
+        """Every interval, and at once when this server starts or stops leading: the agent learns
+        a new leader's term from its first heartbeat, and refuses the old leader from then on."""
+        leadership = self._leadership
         try:
             for seq in itertools.count():
-                await self.link.send(Heartbeat(seq=seq))
-                await trio.sleep(self._liveness.interval)
+                seen = leadership.changes.version
+                await self.link.send(Heartbeat(seq=seq, term=leadership.term, leader=leadership.acting()))
+                with trio.move_on_after(self._liveness.interval):
+                    await leadership.changes.wait_past(seen)
         except LinkClosed:
             return  # the receive side reports why
 
@@ -159,8 +202,10 @@ class LinkListener:
         handshake_timeout: float,
         ssl_context: ssl.SSLContext | None = None,
         jobs: JobReports | None = None,
+        leadership: LeaderView | None = None,
     ) -> None:
         self._registry = registry
+        self._leadership = leadership or _AlwaysLeading()
         self._jobs = jobs
         self._join_digest = join_token_digest
         self._handshake_timeout = handshake_timeout
@@ -198,7 +243,7 @@ class LinkListener:
             log.warning("refused agent at %s: invalid node name %r", peer, register.node)
             await link.send(Goodbye(reason=f"invalid node name {register.node!r}"))
             return
-        session = AgentSession(link, register.node, self._registry.liveness)
+        session = AgentSession(link, register.node, self._registry.liveness, self._leadership)
         await self._registry.attach(session, register)
         try:
             await link.send(
@@ -207,6 +252,8 @@ class LinkListener:
                     server_version=__version__,
                     heartbeat_interval=self._registry.liveness.interval,
                     missed_heartbeats=self._registry.liveness.missed,
+                    term=self._leadership.term,
+                    leader=self._leadership.acting(),
                 )
             )
             session.registered.set()

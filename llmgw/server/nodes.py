@@ -214,8 +214,10 @@ class NodeRegistry:
                 pid=status.pid,
                 compute=status.compute,
                 log_tail=status.log_tail,
+                spec=status.spec,
             )
         else:
+            shard.spec = shard.spec or status.spec
             if shard.state != status.state:
                 shard.state, shard.since = status.state, wall
             shard.reason = status.reason

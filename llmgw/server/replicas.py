@@ -10,6 +10,13 @@ tick (backoffs and timeouts come due with nothing else happening).
 
 Records live in memory. After a server restart they are rebuilt from what the agents report when
 they register (adoption: see :mod:`llmgw.core.reconcile.observe`), and no engine is restarted.
+
+With several servers on one store, only the leader (:mod:`llmgw.server.leadership`) runs passes.
+A follower's records are what the agents report, adopted afresh on every change and never acted
+on: its gateway routes to the engines that run. When it comes to lead it starts as a restarted
+server does, from the reports (every agent reports to every server, so it holds them already),
+and when it stops leading, the commands it had under way are cancelled. A pass is skipped when
+the lease has lapsed, so a leader that wakes after a pause does not act on what it saw before.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import attrs
 import trio
@@ -64,6 +72,16 @@ START_ANSWER_TIMEOUT = 60.0
 STOP_ANSWER_MARGIN = 30.0
 
 
+class Leading(Protocol):
+    """What the reconciler asks of the leader lease (llmgw.server.leadership.Leadership)."""
+
+    def acting(self) -> bool: ...
+
+    async def wait_acting(self) -> None: ...
+
+    async def wait_not_acting(self) -> None: ...
+
+
 class ReplicaManager:
     def __init__(
         self,
@@ -76,6 +94,7 @@ class ReplicaManager:
         stored_adapters: Callable[[], Mapping[str, StoredAdapter]] | None = None,
         delivery: AdapterDelivery | None = None,
         clock: Callable[[], float] = time.time,
+        leadership: Leading | None = None,
     ) -> None:
         # Wall-clock seconds: records keep when things happened, for people as well as for
         # backoffs and timeouts. Tests pass trio's clock to drive those with autojump_clock.
@@ -108,6 +127,7 @@ class ReplicaManager:
         self._kick = trio.Event()
         self._due: set[float] = set()  # wall-clock times a restart comes due (MarkFailed)
         self._nursery: trio.Nursery | None = None
+        self._leadership = leadership  # None: this server always leads (tests of one server)
         self.events = EventLog()  # the actions carried out, for the status page's events
 
     # --- reading -------------------------------------------------------------------------------
@@ -142,6 +162,48 @@ class ReplicaManager:
     # --- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Leads while this server leads, follows while it does not."""
+        leadership = self._leadership
+        if leadership is None:
+            await self._lead()
+            return
+        while True:
+            if not leadership.acting():
+                with trio.CancelScope() as following:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._follow)
+                        await leadership.wait_acting()
+                        following.cancel()
+            self._take_over()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._lead)
+                await leadership.wait_not_acting()
+                nursery.cancel_scope.cancel()  # the commands under way too: they are stale
+            log.warning("stopped reconciling: this server no longer leads")
+            self._nursery = None
+            self._stopping.clear()
+            self._due.clear()
+
+    def _take_over(self) -> None:
+        """Starts leading as a restarted server does: no records, every running shard adopted
+        by the first pass from the reports (and the scaler starting from what runs)."""
+        self._records, self._started_under, self._ended = {}, {}, set()
+        self._wanted, self._scale_reasons, self._candidates = {}, {}, {}
+        log.info("reconciling: this server leads")
+
+    async def _follow(self) -> None:
+        """A follower's records: the replicas the agents report, rebuilt on every change."""
+        seen = -1
+        while True:
+            now = self._clock()
+            self._records = observe({}, self._registry.list(), self._catalog.profiles(), {}, now).records
+            self._candidates = {}
+            if self._on_pass is not None:
+                self._on_pass()
+            with trio.move_on_after(TICK):
+                seen = await self._registry.changes.wait_past(seen)
+
+    async def _lead(self) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._kick_on_changes)
@@ -169,6 +231,8 @@ class ReplicaManager:
         """One reconcile pass, synchronous; the commands it needs go out in background tasks.
         A pass that does something is a trace (each action a span beneath it; a start goes on in
         the shard's task and, through the command, on the node)."""
+        if self._leadership is not None and not self._leadership.acting():
+            return  # the lease lapsed (a pause?): what this server saw may be stale
         began = time.time()
         now = self._clock()
         self._observe(now)

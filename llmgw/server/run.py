@@ -35,12 +35,13 @@ from llmgw.server.catalog import Catalog
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.jobs import JobManager
 from llmgw.server.journal import JournalShipper
+from llmgw.server.leadership import Leadership
 from llmgw.server.link import LinkListener
 from llmgw.server.nodes import NodeRegistry
 from llmgw.server.replicas import ReplicaManager
 from llmgw.server.routing import ReplicaRouter
 from llmgw.server.scrape import EngineScraper
-from llmgw.server.store import Store, open_store, read_password
+from llmgw.server.store import Store, StoreError, open_store, read_password
 from llmgw.server.tenants import Tenants
 from llmgw.server.usage_book import UsageRecorder
 from llmgw.server.workers import WorkerPool, keys_message, routes_message
@@ -63,6 +64,9 @@ class Endpoints:
 async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     store = await open_store(config.data_dir, config.store, read_password(config.store_password_file))
+    # A store only this server opens (SQLite in its data_dir) makes it the leader at once.
+    shared = config.store is not None
+    leadership = Leadership(store, lease=config.ha.lease, exclusive=not shared)
     try:
         join_digest = await _token_digest(store, "join_token_sha256", config.join_token_path)
         admin_digest = await _token_digest(store, "admin_token_sha256", config.admin_token_path)
@@ -81,6 +85,13 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         # Training jobs: loaded after the nodes, since a job whose node is gone fails at once.
         jobs = JobManager(store, registry, catalog, config.data_dir)
         await jobs.load()
+        if shared:
+            # Training jobs stay with one server for now (docs/ha.md): with several, a job's
+            # reports and upload would need to follow the lease from server to server.
+            jobs.refuse_new = (
+                "training jobs need a server of its own store (not one shared by several servers)"
+            )
+            registry.watchers.remove(jobs)
 
         def stored_adapters() -> dict[str, StoredAdapter]:
             return {
@@ -96,7 +107,8 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             join_digest,
             handshake_timeout=config.link.handshake_timeout,
             ssl_context=_server_ssl_context(config),
-            jobs=jobs,
+            jobs=None if shared else jobs,
+            leadership=leadership,
         )
         tenants = await Tenants.load(store)
         usage = UsageRecorder(store)
@@ -136,6 +148,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             signals=load_of,
             stored_adapters=stored_adapters,
             delivery=delivery,
+            leadership=leadership,
         )
         router = ReplicaRouter(
             catalog, replicas, registry, load=lambda rid: scraper.load(rid) if scraper else None
@@ -180,10 +193,17 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         front = pool or gate  # who holds the queues the scaler and the admin API read
         async with trio.open_nursery() as nursery:
             # Before the link listens: a registering agent's jobs are re-attached by it.
-            await nursery.start(jobs.run)
+            if not shared:
+                await nursery.start(jobs.run)
             link_listeners = await nursery.start(
                 listener.serve, config.link.listen.host, config.link.listen.port
             )
+            # The first look at the lease, before the reconciler starts: whether this server
+            # leads. Its address is what the lease shows agents' operators.
+            leadership.address = _address(config.link.listen.host, link_listeners[0])
+            await nursery.start(leadership.run)
+            if shared:
+                nursery.start_soon(_follow_store, catalog, tenants)
             admin_port = await nursery.start(
                 functools.partial(
                     serve_admin,
@@ -199,6 +219,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     else pool.traffic_totals,
                     engine_load=lambda replica_id: scraper.load(replica_id),
                     workers=pool.as_json if pool is not None else None,
+                    leadership=leadership.as_json,
                 ),
                 registry,
                 catalog,
@@ -229,17 +250,35 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             _write_endpoints(config.data_dir / ENDPOINTS_FILE, endpoints)
             log.info(
                 "llmgw server up: gateway on http://%s, agent link on %s%s, admin API on http://%s"
-                " (data in %s, store %s)",
+                " (data in %s, store %s; %s under term %d)",
                 endpoints.gateway,
                 endpoints.link,
                 " (TLS)" if config.link.tls else "",
                 endpoints.admin,
                 config.data_dir,
                 store.where,
+                "leading" if leadership.acting() else f"following {leadership.holder}",
+                leadership.term,
             )
             task_status.started(endpoints)
     finally:
         await store.aclose()
+
+
+# How often a server sharing its store looks for what other servers changed there (the catalog,
+# tenants and keys made through their admin APIs): two small reads a second, and a key made on
+# one server works on the others within about a second.
+SHARED_STORE_POLL = 1.0
+
+
+async def _follow_store(catalog: Catalog, tenants: Tenants) -> None:
+    while True:
+        await trio.sleep(SHARED_STORE_POLL)
+        for source in (catalog, tenants):
+            try:
+                await source.reload()
+            except StoreError as exc:
+                log.warning("cannot read the shared store: %s", exc)
 
 
 def _parallel(catalog: Catalog, profile_name: str) -> int | None:

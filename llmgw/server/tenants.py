@@ -110,6 +110,17 @@ class Tenants:
             [(_key_record(row), row.digest) for row in key_rows],
         )
 
+    async def reload(self) -> bool:
+        """Takes the tenants and keys the store holds now (another server sharing it made or
+        revoked some); True, and the change counter bumped, when they differ from ours."""
+        async with self._lock:
+            fresh = await Tenants.load(self._store)
+            if (fresh._tenants, fresh._keys, fresh._digests) == (self._tenants, self._keys, self._digests):
+                return False
+            self._tenants, self._keys, self._digests = fresh._tenants, fresh._keys, fresh._digests
+        self.changes.bump()
+        return True
+
     # --- the hot path -----------------------------------------------------------------------------
 
     def authenticate(self, secret: str) -> KeyRecord | None:

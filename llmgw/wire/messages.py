@@ -4,8 +4,9 @@ Every message is a frozen attrs class. On the wire each one is a JSON object who
 names the class (see :mod:`llmgw.wire.codec`). Adding a field with a default is compatible both
 ways: an older peer ignores nothing silently, so new fields must always have defaults.
 
-Commands (server → agent) carry an ``id`` that the agent's reply repeats as ``reply_to``, and a
-``trace`` context (W3C traceparent/tracestate style key/values; empty until tracing lands).
+Commands (server → agent) carry an ``id`` that the agent's reply repeats as ``reply_to``, a
+``trace`` context (W3C traceparent/tracestate style key/values), and the sending leader's
+``term``, which the agent checks (core/fencing.py) before it acts.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Registered:
     server_version: str
     heartbeat_interval: float  # seconds; both sides send one at this rate
     missed_heartbeats: int  # silence for interval × this ends the link
+    # The leader lease as this server sees it (core/leadership.py): the term, and whether this
+    # server holds it. Servers older than the fields say 0 and False.
+    term: int = 0
+    leader: bool = False
 
 
 @frozen
@@ -78,6 +83,10 @@ class Heartbeat:
     seq: int
     # The agent may attach a fresh inventory (free memory changes); None = unchanged.
     inventory: Inventory | None = None
+    # From a server: the lease's term as it sees it and whether it leads (as in Registered),
+    # sent at once when either changes. An agent's heartbeats leave them as they are.
+    term: int = 0
+    leader: bool = False
 
 
 @frozen
@@ -102,6 +111,7 @@ class StartShard:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     spec: ShardSpec
     # The replica's engine key. Never logged (repr=False), never put in argv where the engine
     # takes it from its environment.
@@ -114,6 +124,7 @@ class StopShard:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     shard_id: str
     grace: float | None = None  # None: the agent's own engines.stop_grace
 
@@ -124,6 +135,7 @@ class DrainShard:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     shard_id: str
     timeout: float = 60.0
 
@@ -135,6 +147,8 @@ class CommandResult:
     reply_to: int
     ok: bool
     message: str = ""  # why not, or what happened ("already running", "not running")
+    # Not 0: refused by fencing, and this is the newer term the agent has seen.
+    fenced: int = 0
 
 
 @frozen
@@ -148,6 +162,9 @@ class ShardStatus:
     pid: int = 0
     compute: Compute | None = None
     log_tail: tuple[str, ...] = ()  # the last lines of output, on failure
+    # The shard's spec, so that a server the agent registered with before the shard started
+    # (a follower) knows it as fully as Register would have listed it.
+    spec: ShardSpec | None = None
 
 
 @frozen
@@ -156,6 +173,7 @@ class StartJob:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     spec: TrainSpec
 
 
@@ -165,6 +183,7 @@ class CancelJob:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     job_id: str
     grace: float = 10.0
 
@@ -186,6 +205,7 @@ class PutAdapter:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     name: str  # the stored adapter's name
     files: tuple[FileDigest, ...] = ()
 
@@ -209,6 +229,7 @@ class AdapterDone:
 
     id: int
     trace: dict[str, str] = attrs.field(factory=dict)
+    term: int = 0  # the sender's leader term (core/fencing.py); set by the link
     name: str
 
 
