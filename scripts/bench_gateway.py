@@ -25,10 +25,10 @@ Every process it starts is stopped by its process group, also on Ctrl-C; all tra
     .venv/bin/python scripts/bench_gateway.py --seconds 3 --no-router   # a smoke run
     .venv/bin/python scripts/bench_gateway.py --tracing both --no-router  # the cost of tracing
 
---tracing on runs llmgw with OpenTelemetry tracing at sample_ratio 1.0, exporting over OTLP/HTTP to
-a receiver this script runs on 127.0.0.1 (it decodes every export and counts the spans, printed
-per request: fewer than a request makes means the SDK's export queue overflowed and dropped
-some); --tracing both runs llmgw twice, off then on, and prints the two side by side.
+--tracing on runs llmgw with OpenTelemetry tracing at sample_ratio 1.0 (or --tracing-ratio),
+exporting over OTLP/HTTP to a receiver this script runs on 127.0.0.1 (it decodes every export and
+counts the spans, printed per request: fewer than a request makes means the SDK's export queue
+overflowed and dropped some); --tracing both runs llmgw twice, off then on, side by side.
 """
 
 from __future__ import annotations
@@ -205,7 +205,9 @@ class Llmgw:
         workers: int | None,
         deadline: float,
         tracing: str | None = None,
+        ratio: float = 1.0,
     ) -> None:
+        self.ratio = ratio
         self.work = work
         self.tracing = tracing  # the OTLP endpoint, or None: tracing off (no block at all)
         self.wrapper = wrapper
@@ -231,7 +233,7 @@ class Llmgw:
             "gateway": gateway,
         }
         if self.tracing is not None:
-            config["tracing"] = {"endpoint": self.tracing, "sample_ratio": 1.0}
+            config["tracing"] = {"endpoint": self.tracing, "sample_ratio": self.ratio}
         server_yaml = write_private(self.work / "server.yaml", yaml.safe_dump(config))
         self.server = self._spawn(["server", "--config", str(server_yaml)], "server.log")
         self.endpoints = wait_for(self._read_endpoints, "the server to listen", self.deadline, [self.server])
@@ -677,8 +679,15 @@ def main() -> int:
         "--tracing",
         choices=("off", "on", "both"),
         default="off",
-        help="llmgw with OpenTelemetry tracing off (default), on at sample_ratio 1.0 (to a local"
-        " OTLP/HTTP receiver), or both, one after the other",
+        help="llmgw with OpenTelemetry tracing off (default), on (to a local OTLP/HTTP receiver),"
+        " or both, one after the other",
+    )
+    parser.add_argument(
+        "--tracing-ratio",
+        type=float,
+        default=1.0,
+        help="tracing.sample_ratio with --tracing on or both (default 1.0); below 1 the traces left"
+        " out are still recorded, for the failed and slow ones to be kept",
     )
     parser.add_argument(
         "--profile",
@@ -726,12 +735,20 @@ def main() -> int:
                 running.append(receiver)
             run_dir = work / ("traced" if traced else "untraced")
             run_dir.mkdir()
-            llmgw = Llmgw(run_dir, wrapper, model, args.workers, deadline, receiver.url if receiver else None)
+            llmgw = Llmgw(
+                run_dir,
+                wrapper,
+                model,
+                args.workers,
+                deadline,
+                receiver.url if receiver else None,
+                args.tracing_ratio,
+            )
             running.append(llmgw)
             llmgw.start()
             key = llmgw.deploy()
             label = "llmgw" if args.workers is None else f"llmgw ×{args.workers}"
-            label += ", tracing 1.0" if traced else ""
+            label += f", tracing {args.tracing_ratio:g}" if traced else ""
             print(f"==> {label}: server pid {llmgw.server.pid}, gateway {llmgw.gateway_url}", flush=True)
             columns[label] = measure("llmgw", wrk, run_dir, llmgw.gateway_url, key, llmgw.server.pid, args)
             llmgw.stop()
