@@ -29,6 +29,7 @@ from llmgw.agent.trainer import Trainer
 from llmgw.agent.weights import WeightsCache
 from llmgw.config import AgentConfig, ConfigError, default_home, load_simulated_node
 from llmgw.core.engines import EngineBinaries
+from llmgw.core.engines.tracing import EngineTracing
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,14 @@ def engine_binaries(config: AgentConfig) -> EngineBinaries:
         python=engines.python,
         ray=engines.ray,
     )
+
+
+def engine_tracing(config: AgentConfig) -> EngineTracing | None:
+    """The agent's tracing: block, for the engines that trace their requests too."""
+    tracing = config.tracing
+    if tracing.endpoint is None:
+        return None
+    return EngineTracing(endpoint=tracing.endpoint, protocol=tracing.protocol, headers=dict(tracing.headers))
 
 
 def _packaged_llama_server() -> str | None:
@@ -215,6 +224,7 @@ async def run_agent(config: AgentConfig, *, task_status=trio.TASK_STATUS_IGNORED
     supervisor = Supervisor(
         config.work_dir,
         binaries=engine_binaries(config),
+        engine_tracing=engine_tracing(config),
         run_as=config.engines.run_as,
         # The supervisor reports from its first step (adoption), when the link object exists
         # but is not connected; the link queues until it is.

@@ -54,6 +54,7 @@ from llmgw.agent.shard_state import ShardRecord
 from llmgw.agent.weights import FetchFailed, WeightsCache
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan
 from llmgw.core.engines.load_metrics import busy_requests
+from llmgw.core.engines.tracing import EngineTracing, traced_plan
 from llmgw.core.reports import SHARD_LIFECYCLE
 from llmgw.core.shard import LaunchPlan, ShardSpec
 from llmgw.core.weights import WeightsError
@@ -146,8 +147,11 @@ class Supervisor:
         adapters: AdapterCache | None = None,
         weights: WeightsCache | None = None,
         installs: EngineInstalls | None = None,
+        engine_tracing: EngineTracing | None = None,
     ) -> None:
         self._work_dir = work_dir
+        # The agent's tracing, for engines that trace too (core.engines.tracing); None: off.
+        self._engine_tracing = engine_tracing
         # Weights the shards' models name by URL or hub reference, fetched before the engine starts.
         self.weights = weights or WeightsCache(work_dir / "weights", work_dir=work_dir, run_as=run_as)
         # Engine builds profiles name (engine_version), installed before the engine starts.
@@ -212,6 +216,7 @@ class Supervisor:
             if self.installs.wanted(spec):
                 binaries = self.installs.binaries(spec, binaries)
             plan = build_plan(launched, engine_key=engine_key, binaries=binaries)
+            plan = traced_plan(plan, spec.engine, self._engine_tracing)  # the engine's own traces
         except InstallFailed as exc:
             self._emit(spec, ShardState.FAILED, reason=str(exc))
             return False, str(exc)

@@ -831,3 +831,25 @@ async def test_drain_stops_after_its_timeout_anyway(nursery: trio.Nursery, lab: 
     assert agent.states(spec.shard_id)[-2:] == [DRAINING, STOPPED]
     await wait_for(lambda: bool(answers), "the cut-off request to end")
     assert answers != [200]
+
+
+async def test_a_vllm_engine_traces_to_the_agents_collector_when_the_agent_traces(
+    nursery: trio.Nursery, lab: Lab
+) -> None:
+    """The real process's command line names the collector; its headers are in the environment
+    only."""
+    from llmgw.core.engines.tracing import EngineTracing
+
+    tracing = EngineTracing("http://127.0.0.1:4318", headers={"x-api-key": "collector-s3cret"})
+    agent = await start_agent(nursery, lab, engine_tracing=tracing)
+    spec = attrs.evolve(ray_spec("vllm-traced", rendezvous_port=free_port()), launcher="mp")
+    await agent.supervisor.start(spec, KEY)
+    await agent.wait_state(spec.shard_id, READY)
+    [engine] = lab.state(spec.shard_id).processes
+    cmdline = read_cmdline(engine.pid) or ()
+    assert cmdline[cmdline.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4318/v1/traces"
+    assert "collector-s3cret" not in " ".join(cmdline)
+    environ = proc_environ(engine.pid)
+    assert environ["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "x-api-key=collector-s3cret"
+    assert environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert await agent.supervisor.stop(spec.shard_id, grace=5) == (True, "stopped")
