@@ -159,14 +159,19 @@ def _yaml_string(value: str) -> str:
     return json.dumps(value)
 
 
-def agent_yaml(node_name: str, server_address: str, layout: Layout) -> str:
-    """agent.yaml for the node. The token is in its own file: this one may be shown and copied."""
+def agent_yaml(node_name: str, server_addresses: list[str], layout: Layout) -> str:
+    """agent.yaml for the node. The token is in its own file: this one may be shown and copied.
+    Several addresses: servers sharing one store, each of which the agent links to."""
+    if len(server_addresses) == 1:
+        servers = f"  address: {_yaml_string(server_addresses[0])}\n"
+    else:
+        servers = "  addresses:\n" + "".join(f"    - {_yaml_string(a)}\n" for a in server_addresses)
     return (
         "# Written by `llmgw ctl node add`; running it again replaces this file.\n"
         f"node_name: {_yaml_string(node_name)}\n"
         f"work_dir: {_yaml_string(layout.work_dir)}\n"
         "server:\n"
-        f"  address: {_yaml_string(server_address)}\n"
+        f"{servers}"
         f"  join_token_file: {_yaml_string(layout.join_token)}\n"
         "engines:\n"
         f"  run_as: {_yaml_string(ENGINE_USER)}\n"

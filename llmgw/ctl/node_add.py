@@ -64,7 +64,9 @@ def add_parser(node_commands, client: ClientFactory) -> None:
     parser.add_argument(
         "--server-address",
         metavar="HOST:PORT",
-        help="the server's link address as the node reaches it (default: the admin API's host, port 7070)",
+        action="append",
+        help="the server's link address as the node reaches it (default: the admin API's host, port 7070);"
+        " again for each server sharing the store",
     )
     parser.add_argument(
         "--join-token-file", type=Path, metavar="FILE", help="the server's join-token file (see above)"
@@ -105,11 +107,11 @@ def _node_add(args: argparse.Namespace, client: ClientFactory) -> int:
     if not name:
         raise CtlError(f"{args.host} reports no hostname: give the node's name with --name")
     context = resolve(args.server, args.token)
-    server_address = (
-        args.server_address or f"{urlsplit(context.server).hostname}:{onboarding.DEFAULT_LINK_PORT}"
-    )
+    server_addresses = args.server_address or [
+        f"{urlsplit(context.server).hostname}:{onboarding.DEFAULT_LINK_PORT}"
+    ]
     contents = {
-        "config": onboarding.agent_yaml(name, server_address, layout).encode(),
+        "config": onboarding.agent_yaml(name, server_addresses, layout).encode(),
         "token": (token + "\n").encode(),
         "unit": onboarding.unit_text(name, layout).encode(),
     }

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.config import parse_agent_config
 from llmgw.core import onboarding
 from llmgw.core.onboarding import (
     ENGINE_USER,
@@ -270,8 +271,19 @@ def test_as_root_keeps_a_script_with_quotes_intact(tmp_path):
 
 def test_agent_yaml_and_unit_quote_names_and_paths():
     layout = Layout(root="/srv/my node")
-    text = onboarding.agent_yaml('gpu "7"', "10.0.0.5:7070", layout)
-    assert 'node_name: "gpu \\"7\\""' in text and '"/srv/my node/etc/llmgw/join-token"' in text
+    text = onboarding.agent_yaml("gpu-7", ["10.0.0.5:7070"], layout)
+    assert '"/srv/my node/etc/llmgw/join-token"' in text
+    # What the agent reads back: one server, or every server sharing a store.
+    config = parse_agent_config(text)
+    assert (
+        config.node_name == "gpu-7"
+        and str(config.server.join_token_file) == "/srv/my node/etc/llmgw/join-token"
+    )
+    assert [str(a) for a in config.server.all_addresses] == ["10.0.0.5:7070"]
+    assert config.engines.run_as == "llmgw-engine" and config.engines.stop_shards_on_exit is False
+    both = parse_agent_config(onboarding.agent_yaml("gpu-7", ["10.0.0.5:7070", "10.0.0.6:7070"], layout))
+    assert [str(a) for a in both.server.all_addresses] == ["10.0.0.5:7070", "10.0.0.6:7070"]
+    assert 'node_name: "gpu \\"7\\""' in onboarding.agent_yaml('gpu "7"', ["h:1"], layout)
     unit = onboarding.unit_text("gpu-7", layout)
     assert (
         'ExecStart="/srv/my node/usr/local/bin/llmgw" agent --config "/srv/my node/etc/llmgw/agent.yaml"'
