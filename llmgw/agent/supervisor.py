@@ -351,7 +351,17 @@ class Supervisor:
             for process in shard.processes:
                 shard.follow(process)
             self._shards[shard.spec.shard_id] = shard
-            if why_not := self._adopt(shard):
+            why_not = self._adopt(shard)
+            if tracing.enabled():  # a trace of its own: the one that started it ended with its agent
+                attributes = {
+                    "llmgw.shard": shard.spec.shard_id,
+                    "llmgw.replica": shard.spec.replica_id,
+                    "llmgw.model": shard.spec.model,
+                }
+                with tracing.span("agent.adopt_shard", attributes) as adopting:
+                    if why_not:
+                        tracing.fail(adopting, why_not)
+            if why_not:
                 log.warning("shard %s: %s", shard.spec.shard_id, why_not)
                 shard.ended = (ShardState.FAILED, why_not)
                 self._spawner().start_soon(self._teardown, shard)

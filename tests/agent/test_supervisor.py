@@ -853,3 +853,39 @@ async def test_a_vllm_engine_traces_to_the_agents_collector_when_the_agent_trace
     assert environ["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "x-api-key=collector-s3cret"
     assert environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     assert await agent.supervisor.stop(spec.shard_id, grace=5) == (True, "stopped")
+
+
+async def test_adoption_is_a_span_failed_with_the_reason_when_the_engine_is_gone(
+    nursery: trio.Nursery, lab: Lab
+) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from llmgw import tracing
+
+    exporter = InMemorySpanExporter()
+    tracing.install(exporter, "llmgw-agent-test", batch=False)
+    try:
+        first = await start_agent(nursery, lab)
+        alive_spec, gone_spec = llama_spec("kept"), llama_spec("gone")
+        for spec in (alive_spec, gone_spec):
+            await first.supervisor.start(spec, KEY)
+            await first.wait_state(spec.shard_id, READY)
+        await first.cut()
+        [gone] = lab.state(gone_spec.shard_id).processes
+        os.killpg(gone.pgid, signal.SIGKILL)
+        await wait_for(lambda: not is_alive(gone.pid), "the engine to be gone")
+        second = await start_agent(nursery, lab)
+        await second.wait_state(gone_spec.shard_id, FAILED)
+        spans = {
+            s.attributes["llmgw.shard"]: s
+            for s in exporter.get_finished_spans()
+            if s.name == "agent.adopt_shard"
+        }
+        assert set(spans) == {"kept", "gone"}
+        assert spans["kept"].status.status_code is StatusCode.UNSET
+        assert spans["gone"].status.status_code is StatusCode.ERROR
+        assert spans["kept"].attributes["llmgw.replica"] == alive_spec.replica_id
+        assert await second.supervisor.stop(alive_spec.shard_id, grace=5) == (True, "stopped")
+    finally:
+        tracing.shutdown()
