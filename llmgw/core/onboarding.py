@@ -365,6 +365,7 @@ class Step:
     changes: bool  # False: already as wanted, nothing runs
     # Something the operator has to do (nothing here can), shown as a note rather than "ok".
     notice: bool = False
+    starts_agent: bool = False  # it starts or restarts the agent
 
 
 def plan(facts: NodeFacts, wanted: Wanted) -> list[Step]:
@@ -513,6 +514,7 @@ def _service_steps(facts: NodeFacts, layout: Layout, *, changed: bool) -> list[S
                 says=f"service: restart {UNIT_NAME} to take the new files (engines keep running: KillMode=process)",
                 script=f"systemctl daemon-reload\nsystemctl restart {UNIT_NAME}\n",
                 changes=True,
+                starts_agent=True,
             )
         )
     elif not facts.active:
@@ -521,6 +523,7 @@ def _service_steps(facts: NodeFacts, layout: Layout, *, changed: bool) -> list[S
                 says=f"service: start {UNIT_NAME}",
                 script=f"systemctl daemon-reload\nsystemctl start {UNIT_NAME}\n",
                 changes=True,
+                starts_agent=True,
             )
         )
     else:
@@ -533,3 +536,18 @@ def as_root(script: str) -> str:
     password prompt: node add runs unattended, and a prompt would wait forever)."""
     quoted = shlex.quote(script)
     return f'if [ "$(id -u)" -eq 0 ]; then exec sh -c {quoted}; else exec sudo -n sh -c {quoted}; fi'
+
+
+def restarts_agent(steps: list[Step]) -> bool:
+    """Whether the steps restart (or first start) the agent: then its registration must be newer
+    than the one seen before, since the old link can still look connected for a moment."""
+    return any(step.changes and step.starts_agent for step in steps)
+
+
+def registered(node: dict | None, before: int | None) -> bool:
+    """Whether ``node`` (the admin API's record, None: not known) counts as registered for a run
+    that saw ``before`` registrations before restarting the agent (None: it did not restart it).
+    A different count, not only a higher one: a server restarted meanwhile counts from zero."""
+    if node is None or not node.get("connected"):
+        return False
+    return before is None or node.get("registrations") != before

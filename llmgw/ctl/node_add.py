@@ -138,6 +138,9 @@ def _node_add(args: argparse.Namespace, client: ClientFactory) -> int:
         f"node {name} ({args.host}, {facts.platform}){': dry run, nothing is changed' if args.dry_run else ''}"
     )
     changes = [step for step in steps if step.changes]
+    before = None
+    if not args.dry_run and args.wait > 0 and onboarding.restarts_agent(steps):
+        before = _registrations(client(args), name)
     for step in steps:
         mark = (
             ("would change" if args.dry_run else "change")
@@ -163,7 +166,7 @@ def _node_add(args: argparse.Namespace, client: ClientFactory) -> int:
     else:
         print(f"nothing changed: {args.host} already has everything node add installs")
     if args.wait > 0:
-        _wait_registered(client(args), name, args.wait, args.host)
+        _wait_registered(client(args), name, args.wait, args.host, before)
     return 0
 
 
@@ -232,12 +235,18 @@ def _apply(ssh: Ssh, step: Step, binary: Path, contents: dict[str, bytes]) -> No
         ssh.run(step.script, stdin=contents.get(step.stdin or "", b""), what=step.says)
 
 
-def _wait_registered(client, name: str, wait: float, host: str) -> None:
+def _registrations(client, name: str) -> int:
+    """The node's registrations so far (-1: the server does not know it yet)."""
+    nodes = {node["name"]: node for node in client.get("/admin/v1/nodes")["nodes"]}
+    return nodes[name].get("registrations", -1) if name in nodes else -1
+
+
+def _wait_registered(client, name: str, wait: float, host: str, before: int | None) -> None:
     print(f"waiting up to {wait:g}s for node {name} to register with the server", flush=True)
     end = time.monotonic() + wait
     while True:
         nodes = {node["name"]: node for node in client.get("/admin/v1/nodes")["nodes"]}
-        if nodes.get(name, {}).get("connected"):
+        if onboarding.registered(nodes.get(name), before):
             print(f"node {name} registered: {nodes[name]['state']}")
             return
         if time.monotonic() >= end:

@@ -613,6 +613,9 @@ def node_json(node: Node) -> dict:
         "first_seen": node.first_seen,
         "last_seen": node.last_seen,
         "state_since": node.state_since,
+        # Registrations since this server started: a tool that restarted the agent waits for a
+        # newer one (ctl node add), not for the old link's "connected".
+        "registrations": node.registrations,
         "inventory": converter.unstructure(node.inventory),
         "shards": [converter.unstructure(shard) for shard in node.shards.values()],
     }

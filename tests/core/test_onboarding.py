@@ -290,3 +290,24 @@ def test_agent_yaml_and_unit_quote_names_and_paths():
         in unit
     )
     assert "KillMode=process" in unit and "Restart=always" in unit
+
+
+def test_after_a_restart_only_a_newer_registration_counts():
+    from llmgw.core.onboarding import registered, restarts_agent
+
+    want = wanted()
+    files = list(as_wanted(want).files)
+    files[1] = FileFacts(sha256="0" * 64, mode=0o600, owner="0:0")
+    assert restarts_agent(plan(as_wanted(want, files=tuple(files)), want))
+    assert restarts_agent(plan(as_wanted(want, active=False), want))  # a first start
+    assert not restarts_agent(plan(as_wanted(want), want))
+    assert not restarts_agent(plan(as_wanted(want, enabled=False), want))  # enabling only
+    assert not restarts_agent(plan(as_wanted(want, systemd=False, files=tuple(files)), want))
+    old_link = {"connected": True, "registrations": 3}
+    assert registered(old_link, None)  # nothing restarted: connected is enough
+    assert not registered(old_link, 3)  # the link from before the restart
+    assert registered({"connected": True, "registrations": 4}, 3)
+    assert registered({"connected": True, "registrations": 1}, 3)  # the server restarted meanwhile
+    assert registered({"connected": True, "registrations": 1}, -1)  # unknown before
+    assert not registered({"connected": False, "registrations": 4}, 3)
+    assert not registered(None, None)

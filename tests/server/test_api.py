@@ -159,6 +159,7 @@ async def test_nodes_lists_every_node_with_its_inventory(admin: Api):
     assert gpu["agent_version"] == "0.1.0"
     assert gpu["first_seen"] <= gpu["last_seen"]
     assert isinstance(gpu["state_since"], float)
+    assert gpu["registrations"] == 1
     assert gpu["inventory"]["fabric"] == "ib-a"
     assert gpu["inventory"]["gpus"][0]["gpu_class"] == "l40s-45g"
     assert body["nodes"][1]["inventory"]["gpus"] == []
