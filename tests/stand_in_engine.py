@@ -32,7 +32,7 @@ _MODULE = '''"""A stand-in for {name} {version}, made by the llmgw tests."""
 import os
 import sys
 
-VERSION = "{version}"
+VERSION = __version__ = "{version}"
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE_ENGINE = os.path.join(HERE, "fake_engine.py")
 

