@@ -390,8 +390,10 @@ def _file_step(want: WantedFile, have: FileFacts) -> Step:
     script = "\n".join(
         [
             "set -e",
+            # Directories as a distribution makes them (/usr/local/bin, /etc/systemd/system must
+            # stay readable); the file private until its mode is set.
+            f"(umask 022 && mkdir -p {q(directory)})",
             "umask 077",
-            f"mkdir -p {q(directory)}",
             f"cat > {partial}",
             f"chown root:root {partial}",
             f"chmod {mode} {partial}",

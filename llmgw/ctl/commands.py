@@ -37,6 +37,7 @@ examples:
   llmgw ctl nodes
   llmgw ctl node show gpu-node-07
   llmgw ctl node ping gpu-node-07
+  llmgw ctl node add gpu-node-08 --server-address 10.0.0.5:7070 --join-token-file join-token
   llmgw ctl --json nodes | jq '.nodes[].name'
   llmgw ctl apply -f catalog.yaml
   llmgw ctl profiles

@@ -205,6 +205,9 @@ def check_node_files(root: Path, binary: Path, token: str) -> None:
         assert "llmgw-engine" in groups[group][3].split(","), groups[group]
     assert mode_owner(root / home.lstrip("/")) == (0o700, uid, gid)
     assert mode_owner(root / "var/lib/llmgw/agent")[0] == 0o711
+    # Directories made on the way are the usual 0755, the secrets' files alone private.
+    for directory in ("usr/local/bin", "etc/llmgw", "etc/systemd/system"):
+        assert mode_owner(root / directory)[0] == 0o755, directory
 
 
 def verify_unit(unit: Path) -> None:
