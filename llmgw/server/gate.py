@@ -132,8 +132,12 @@ class ControlPlaneGate:
         salt: Callable[[], int] | None = None,
         quotas: QuotaCounter | None = None,
         tenant_weight: Callable[[str, int, str], float] | None = None,
+        share: Callable[[Limits], Limits] | None = None,
     ) -> None:
         self._keys = keys
+        # This server's part of each limit, when servers sharing a store split the quotas
+        # (core.server_shares); None: the whole limit.
+        self._share = share
         self._router = router
         self._usage = usage
         self._queue_timeout = queue_timeout
@@ -181,6 +185,8 @@ class ControlPlaneGate:
         quotas = {("tenant", caller.tenant): (tenant.limits if tenant is not None else None) or Limits()}
         if caller.limits is not None:
             quotas[("key", caller.id)] = caller.limits
+        if self._share is not None:
+            quotas = {subject: self._share(limits) for subject, limits in quotas.items()}
         traced = tracing.enabled()  # off: one check, nothing else
         if traced:
             request_span = tracing.current()

@@ -111,9 +111,13 @@ class JournalWriter:
 class JournalShipper:
     """The control plane's side: ships every worker's journal into the store, exactly once."""
 
-    def __init__(self, store: Store, directory: Path) -> None:
+    def __init__(self, store: Store, directory: Path, owner: str = "") -> None:
+        """``owner``: this server's id where several servers share the store, whose workers'
+        segments have the same names (w0.1.journal on each): the offsets are kept per server,
+        as ``<owner>/<segment>``. '' on a store of its own (offsets named by segment alone)."""
         self._store = store
         self._directory = directory
+        self._prefix = f"{owner}/" if owner else ""
         self.shipped = 0  # records, since this server started
 
     async def run(self) -> None:
@@ -129,7 +133,7 @@ class JournalShipper:
         shipped = 0
         for name in names:
             path = self._directory / name
-            offset = offsets.get(name, 0)
+            offset = offsets.get(self._prefix + name, 0)
             while True:
                 data = await trio.to_thread.run_sync(_read_from, path, offset)
                 lines, _ = whole_lines(data)
@@ -138,7 +142,7 @@ class JournalShipper:
                 lines = lines[:MAX_SHIP]
                 offset += sum(len(line) + 1 for line in lines)
                 records = [r for r in map(self._decode, lines) if r is not None]
-                await self._store.ship_journal(name, records, offset)
+                await self._store.ship_journal(self._prefix + name, records, offset)
                 shipped += len(records)
             if name in older:
                 if data:
@@ -146,7 +150,7 @@ class JournalShipper:
                         "journal %s ends in %d bytes of a record never written whole", name, len(data)
                     )
                 path.unlink(missing_ok=True)
-                await self._store.forget_journal(name)
+                await self._store.forget_journal(self._prefix + name)
         self.shipped += shipped
         return shipped
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 
 import trio
 
 from llmgw.core import leadership
+from llmgw.core.server_shares import ServerShare
 from llmgw.server.changes import Changes
 from llmgw.server.store import Store, StoreError
 
@@ -37,7 +39,11 @@ class Leadership:
         self.term = 0  # the lease's term as of the last look (this server's own, when leading)
         self.holder = ""
         self.holder_address = ""
-        self.live_servers = 1
+        self.live_servers: tuple[str, ...] = ()
+        # This server's part of every quota (core.server_shares); ``on_share`` is told when the
+        # live servers change, so the gateway takes the new shares at once.
+        self.share = ServerShare()
+        self.on_share: Callable[[], None] | None = None
         self._deadline = -1.0  # trio clock
         self.changes = Changes()  # bumped when this server starts or stops leading, or the term moves
         self._look_now = trio.Event()
@@ -55,7 +61,8 @@ class Leadership:
             "holder": self.holder,
             "holder_address": self.holder_address,
             "lease_s": self.lease,
-            "live_servers": self.live_servers,
+            "live_servers": list(self.live_servers),
+            "quota_share": {"servers": self.share.servers, "rank": self.share.rank},
         }
 
     def fenced(self, newest: int) -> None:
@@ -75,6 +82,12 @@ class Leadership:
             self.id, self.address, self.lease, force=self._exclusive and not self.leader
         )
         self.live_servers = live
+        share = ServerShare.of(live, self.id) if not self._exclusive else ServerShare()
+        if share != self.share:
+            log.info("quotas: this server holds share %d of %d", share.rank + 1, share.servers)
+            self.share = share
+            if self.on_share is not None:
+                self.on_share()
         self.holder, self.holder_address = decision.holder, decision.address
         if decision.leader:
             self._deadline = leadership.local_deadline(asked_at, self.lease)

@@ -11,6 +11,8 @@ import functools
 import json
 import logging
 import os
+import secrets
+import socket
 import ssl
 import time
 from pathlib import Path
@@ -22,10 +24,12 @@ from llmgw.config import ServerConfig
 from llmgw.core import keys
 from llmgw.core.catalog import Profile, StoredAdapter
 from llmgw.core.liveness import Liveness
+from llmgw.core.quota import Limits
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.core.replica import Replica, ReplicaState
 from llmgw.core.restart_policy import RestartPolicy
 from llmgw.core.scaling import LoadSignals
+from llmgw.core.server_shares import share_of
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.server import tokens
@@ -66,7 +70,12 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
     store = await open_store(config.data_dir, config.store, read_password(config.store_password_file))
     # A store only this server opens (SQLite in its data_dir) makes it the leader at once.
     shared = config.store is not None
-    leadership = Leadership(store, lease=config.ha.lease, exclusive=not shared)
+    # The lease holder is this process, not just this server: a restarted server (or a second
+    # process on the same data_dir by mistake) never takes over the lease its predecessor holds.
+    server_id = _server_id(config.data_dir)
+    leadership = Leadership(
+        store, lease=config.ha.lease, exclusive=not shared, server_id=f"{server_id}.{secrets.token_hex(2)}"
+    )
     try:
         join_digest = await _token_digest(store, "join_token_sha256", config.join_token_path)
         admin_digest = await _token_digest(store, "admin_token_sha256", config.admin_token_path)
@@ -111,6 +120,12 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             leadership=leadership,
         )
         tenants = await Tenants.load(store)
+
+        def quota_share(limits: Limits) -> Limits:
+            return share_of(limits, leadership.share)
+
+        # New shares reach the workers as new limits would (their keys are pushed anew).
+        leadership.on_share = tenants.changes.bump
         usage = UsageRecorder(store)
         # The gateway's router and gate read the replicas; after each reconcile pass (a replica
         # became Ready, or went) and each scrape round (the engines' loads) the router builds
@@ -159,6 +174,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             usage,
             queue_timeout=config.gateway.queue_timeout,
             on_waiting=lambda _model: replicas.kick(),
+            share=quota_share,
         )
         # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
         scraper = EngineScraper(
@@ -183,7 +199,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 port=config.gateway.listen.port,
                 queue_timeout=config.gateway.queue_timeout,
                 ttft_target=config.gateway.ttft_target,
-                keys=lambda: keys_message(tenants),
+                keys=lambda: keys_message(tenants, quota_share),
                 routes=lambda: routes_message(router, lambda model: _ttft_target(catalog, model)),
                 on_waiting=lambda _model: replicas.kick(),
                 keys_changed=tenants.changes,
@@ -233,7 +249,9 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             nursery.start_soon(scraper.run)
             await nursery.start(usage.run)
             if pool is not None:
-                shipper = JournalShipper(store, config.data_dir / WORKERS_DIR)
+                shipper = JournalShipper(
+                    store, config.data_dir / WORKERS_DIR, owner=server_id if shared else ""
+                )
                 nursery.start_soon(shipper.run)
                 gateway_port = await nursery.start(pool.run)
             else:
@@ -279,6 +297,24 @@ async def _follow_store(catalog: Catalog, tenants: Tenants) -> None:
                 await source.reload()
             except StoreError as exc:
                 log.warning("cannot read the shared store: %s", exc)
+
+
+SERVER_ID_FILE = "server-id"
+
+
+def _server_id(data_dir: Path) -> str:
+    """This server's name among those sharing a store: made once (the host's name and a random
+    part) and kept in its data_dir, so a restarted server finds its own journal offsets again."""
+    path = data_dir / SERVER_ID_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    name = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(name + "\n")
+    return name
 
 
 def _parallel(catalog: Catalog, profile_name: str) -> int | None:

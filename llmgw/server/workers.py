@@ -33,6 +33,7 @@ import trio
 from llmgw.config import TracingConfig
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.leases import LeaseLedger, LeaseReport
+from llmgw.core.quota import Limits
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT
 from llmgw.procfs import start_time_of
 from llmgw.server.changes import Changes
@@ -444,8 +445,9 @@ def _signal(pid: int, signum: int) -> None:
 # --- what the workers are told ------------------------------------------------------------------
 
 
-def keys_message(tenants) -> Keys:
-    """server.tenants.Tenants as the workers need it: working keys as digests, tenants' limits."""
+def keys_message(tenants, share: Callable[[Limits], Limits] = lambda limits: limits) -> Keys:
+    """server.tenants.Tenants as the workers need it: working keys as digests, tenants' limits —
+    ``share`` of them, this server's part when servers sharing a store split the quotas."""
     return Keys(
         keys=tuple(
             PushedKey(
@@ -454,12 +456,12 @@ def keys_message(tenants) -> Keys:
                 digest=digest.hex(),
                 models=record.models,
                 band=record.band,
-                limits=None if record.limits is None else PushedLimits.of(record.limits),
+                limits=None if record.limits is None else PushedLimits.of(share(record.limits)),
             )
             for record, digest in tenants.working_keys()
         ),
         tenants=tuple(
-            PushedTenant(name=t.name, limits=PushedLimits.of(t.limits)) for t in tenants.list_tenants()
+            PushedTenant(name=t.name, limits=PushedLimits.of(share(t.limits))) for t in tenants.list_tenants()
         ),
     )
 

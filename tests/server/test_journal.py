@@ -99,3 +99,35 @@ async def test_a_damaged_line_is_skipped_and_the_rest_still_shipped(store, tmp_p
     journals.mkdir()
     (journals / segment_name("w0", 1)).write_bytes(encode(record(0)) + b"not json\n" + encode(record(1)))
     assert await JournalShipper(store, journals).ship_once() == 2
+
+
+async def test_two_servers_sharing_a_store_ship_their_same_named_segments_each_once(
+    open_test_store, tmp_path
+):
+    """Both servers' first worker writes w0.1.journal: keyed by server, neither's offset moves the
+    other's, and every record of both lands once, however often each ships."""
+    store = await open_test_store()
+    try:
+        shippers, writers = [], []
+        for server, count in (("cp1", 3), ("cp2", 5)):
+            journals = tmp_path / server
+            journals.mkdir()
+            writer = JournalWriter(journals, "w0")
+            for i in range(count):
+                writer.record(record(i, tenant=server))
+            writers.append(writer)
+            shippers.append(JournalShipper(store, journals, owner=server))
+        assert [await s.ship_once() for s in shippers] == [3, 5]
+        assert [await s.ship_once() for s in shippers] == [0, 0]
+        writers[0].record(record(9, tenant="cp1"))
+        assert [await s.ship_once() for s in shippers] == [1, 0]
+        totals = {
+            row["tenant"]: row["requests"] for row in await store.summarise_usage(["tenant"], None, None)
+        }
+        assert totals == {"cp1": 4, "cp2": 5}
+        assert set(await store.journal_offsets()) == {
+            "cp1/" + segment_name("w0", 1),
+            "cp2/" + segment_name("w0", 1),
+        }
+    finally:
+        await store.aclose()

@@ -113,10 +113,10 @@ class Store(Protocol):
 
     async def claim_leadership(
         self, me: str, address: str, lease: float, force: bool = False
-    ) -> tuple[Decision, int]:
+    ) -> tuple[Decision, tuple[str, ...]]:
         """Acquire, renew or follow the leader lease (core.leadership.decide, by the store's
         clock) in one compare-and-set transaction; ``me`` is recorded live. Returns the decision
-        and the number of live servers (seen within ``lease``, ``me`` included)."""
+        and the live servers' ids (seen within ``lease``, ``me`` included), sorted."""
 
     async def release_leadership(self, me: str) -> bool:
         """Frees the lease if ``me`` holds it, so a follower need not wait it out."""
@@ -239,7 +239,7 @@ class SqlStore:
 
     async def claim_leadership(
         self, me: str, address: str, lease: float, force: bool = False
-    ) -> tuple[Decision, int]:
+    ) -> tuple[Decision, tuple[str, ...]]:
         return await self._write(ops.claim_leadership, me, address, lease, force)
 
     async def release_leadership(self, me: str) -> bool:

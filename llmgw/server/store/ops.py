@@ -302,10 +302,12 @@ def _write_lease(tx: Tx, row: LeaseRow) -> None:
     )
 
 
-def claim_leadership(tx: Tx, me: str, address: str, lease: float, force: bool) -> tuple[Decision, int]:
+def claim_leadership(
+    tx: Tx, me: str, address: str, lease: float, force: bool
+) -> tuple[Decision, tuple[str, ...]]:
     """Acquire, renew or follow (core.leadership.decide) in one transaction holding the lease's
-    row; also records that ``me`` is live. Returns the decision and how many servers are live
-    (seen within one lease, ``me`` included)."""
+    row; also records that ``me`` is live. Returns the decision and the live servers' ids (seen
+    within one lease, ``me`` included), sorted."""
     now = float(tx.execute(_NOW[tx.dialect])[0][0])
     decision = leadership.decide(_lease_row(tx), now=now, me=me, address=address, lease=lease, force=force)
     if decision.write is not None:
@@ -316,8 +318,8 @@ def claim_leadership(tx: Tx, me: str, address: str, lease: float, force: bool) -
         (me, address, now),
     )
     tx.execute("DELETE FROM servers WHERE seen < ?", (now - _FORGET_SERVER_AFTER,))
-    live = int(tx.execute("SELECT count(*) FROM servers WHERE seen > ?", (now - lease,))[0][0])
-    return decision, live
+    live = sorted(row[0] for row in tx.execute("SELECT id FROM servers WHERE seen > ?", (now - lease,)))
+    return decision, tuple(live)
 
 
 def release_leadership(tx: Tx, me: str) -> bool:
