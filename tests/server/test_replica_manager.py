@@ -233,3 +233,77 @@ async def test_a_failed_replica_restarts_after_its_backoff_on_the_injected_clock
         assert second.spec.replica_id == first.spec.replica_id
         assert restarted_at - failed_at >= policy.initial
         nursery.cancel_scope.cancel()
+
+
+class FakeLeadership:
+    """The leader lease as the test sets it."""
+
+    def __init__(self, leading: bool) -> None:
+        self.leading = leading
+        self.changes = Changes()
+
+    def acting(self) -> bool:
+        return self.leading
+
+    def set(self, leading: bool) -> None:
+        self.leading = leading
+        self.changes.bump()
+
+    async def wait_acting(self) -> None:
+        while not self.leading:
+            await self.changes.wait_past(self.changes.version)
+
+    async def wait_not_acting(self) -> None:
+        while self.leading:
+            await self.changes.wait_past(self.changes.version)
+
+
+async def test_a_follower_acts_on_nothing_routes_what_runs_and_leads_from_the_reports(autojump_clock):
+    """Servers sharing a store: a follower places nothing but knows the replica an agent reports
+    (its gateway routes to it); once it leads it adopts that replica instead of placing another,
+    and acts on changes; once it no longer leads it acts on nothing again."""
+    fleet = FleetOfOne(profile(min_replicas=1, max_replicas=3))
+    running = ShardSpec(
+        shard_id="r-old-s0", replica_id="r-old", profile="chat", model="m", model_path="/m.gguf",
+        engine="llamacpp", port=20000,
+    )  # fmt: skip
+    fleet.report(running, ShardState.READY)
+    lease = FakeLeadership(leading=False)
+    m = ReplicaManager(
+        registry=fleet, catalog=fleet, engine_secret=None, clock=trio.current_time, leadership=lease
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(m.run)
+        await trio.sleep(30)  # many ticks
+        assert fleet.started == []
+        assert [(r.id, r.state) for r in m.list()] == [("r-old", ReplicaState.READY)]
+        fleet.profile = profile(min_replicas=2, max_replicas=3)
+        fleet.changes.bump()
+        await trio.sleep(30)
+        assert fleet.started == []  # wanted, but a follower does not place
+
+        lease.set(True)
+        with trio.fail_after(10):
+            await fleet.wait_for_starts(1)
+        await trio.sleep(30)
+        # One more (the second of two wanted), not two: the reported one was adopted.
+        assert len(fleet.started) == 1 and fleet.started[0][1].spec.replica_id != "r-old"
+        assert "r-old" in {r.id for r in m.list()}
+
+        lease.set(False)
+        await trio.sleep(1)
+        fleet.profile = profile(min_replicas=3, max_replicas=3)
+        fleet.changes.bump()
+        await trio.sleep(30)
+        assert len(fleet.started) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pass_is_skipped_once_the_lease_has_lapsed(autojump_clock):
+    """A leader that wakes from a pause runs no pass before its step-down is noticed."""
+    fleet = FleetOfOne(profile(min_replicas=1))
+    lease = FakeLeadership(leading=True)
+    m = ReplicaManager(registry=fleet, catalog=fleet, engine_secret=None, leadership=lease)
+    lease.leading = False  # lapsed, and the shell has not been told yet
+    m.run_pass()
+    assert m.list() == []
