@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmgw.ctl import bench, catalog, engine_check, jobs, nodes, replicas, tenants, usage, workers
+from llmgw.ctl import bench, catalog, engine_check, jobs, leader, nodes, replicas, tenants, usage, workers
 from llmgw.ctl import context as context_commands
 from llmgw.ctl.client import AdminClient, CtlError
 from llmgw.ctl.context import NO_TOKEN_MESSAGE, resolve
@@ -65,7 +65,7 @@ def add_ctl_parser(subparsers) -> None:
     ctl.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
     commands = ctl.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
 
-    for noun in (nodes, replicas, catalog, tenants, usage, workers, jobs):
+    for noun in (nodes, replicas, catalog, tenants, usage, workers, jobs, leader):
         noun.add_parsers(commands, _client)
     # Needs no server: it checks the engines installed on this machine.
     engine_check.add_parser(commands, add)

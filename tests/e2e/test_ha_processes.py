@@ -278,6 +278,8 @@ def test_a_leader_paused_past_its_lease_steps_down_without_acting_on_its_stale_v
             "server a to step down",
         )
         assert resumed["holder"] == (pair.lease("b") or {})["server"]
+        shown = a.ctl("leader")
+        assert shown.returncode == 0 and f"follows {resumed['holder']}" in shown.stdout, shown
         time.sleep(3.0)  # a's passes would have run by now (every 2 s), had it not stepped down
         assert pair.leader() == "b"
         assert pair.starts() == starts, pair.logs()  # a restarted nothing of its stale view
