@@ -13,15 +13,17 @@ waits out one a crashed predecessor left.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import trio
 
-from llmgw.core import leadership
+from llmgw.core import leadership, shared_load
 from llmgw.core.server_shares import ServerShare
+from llmgw.core.shared_load import GatewayLoad
 from llmgw.server.changes import Changes
 from llmgw.server.store import Store, StoreError
 
@@ -44,6 +46,10 @@ class Leadership:
         # live servers change, so the gateway takes the new shares at once.
         self.share = ServerShare()
         self.on_share: Callable[[], None] | None = None
+        # This server's gateway load, reported with every look (core.shared_load), and the other
+        # live servers' as of this server's last look: what the leader's scaler adds to its own.
+        self.gateway_load: Callable[[], Mapping[str, GatewayLoad]] = dict
+        self.others_load: list[dict[str, GatewayLoad]] = []
         self._deadline = -1.0  # trio clock
         self.changes = Changes()  # bumped when this server starts or stops leading, or the term moves
         self._look_now = trio.Event()
@@ -79,9 +85,16 @@ class Leadership:
         """One look at the lease: acquire, renew or follow."""
         asked_at = trio.current_time()
         decision, live = await self._store.claim_leadership(
-            self.id, self.address, self.lease, force=self._exclusive and not self.leader
+            self.id,
+            self.address,
+            self.lease,
+            force=self._exclusive and not self.leader,
+            load=json.dumps(shared_load.encode(self.gateway_load())),
         )
-        self.live_servers = live
+        self.live_servers = tuple(live)
+        self.others_load = [
+            shared_load.decode(_json(load)) for server, load in live.items() if server != self.id
+        ]
         share = ServerShare.of(live, self.id) if not self._exclusive else ServerShare()
         if share != self.share:
             log.info("quotas: this server holds share %d of %d", share.rank + 1, share.servers)
@@ -145,3 +158,10 @@ class Leadership:
             seen = self.changes.version
             with trio.move_on_at(self._deadline):
                 await self.changes.wait_past(seen)
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -192,16 +192,19 @@ class ReplicaManager:
         log.info("reconciling: this server leads")
 
     async def _follow(self) -> None:
-        """A follower's records: the replicas the agents report, rebuilt on every change."""
-        seen = -1
-        while True:
-            now = self._clock()
-            self._records = observe({}, self._registry.list(), self._catalog.profiles(), {}, now).records
-            self._candidates = {}
-            if self._on_pass is not None:
-                self._on_pass()
-            with trio.move_on_after(TICK):
-                seen = await self._registry.changes.wait_past(seen)
+        """A follower's records: the replicas the agents report, rebuilt on every change of the
+        fleet or the catalog (a model the gateway must know)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._kick_on_changes)
+            while True:
+                self._kick = trio.Event()
+                now = self._clock()
+                self._records = observe({}, self._registry.list(), self._catalog.profiles(), {}, now).records
+                self._candidates = {}
+                if self._on_pass is not None:
+                    self._on_pass()
+                with trio.move_on_after(TICK):
+                    await self._kick.wait()
 
     async def _lead(self) -> None:
         async with trio.open_nursery() as nursery:

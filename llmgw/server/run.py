@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from llmgw.config import ServerConfig
-from llmgw.core import keys
+from llmgw.core import keys, shared_load
 from llmgw.core.catalog import Profile, StoredAdapter
 from llmgw.core.liveness import Liveness
 from llmgw.core.quota import Limits
@@ -30,6 +30,7 @@ from llmgw.core.replica import Replica, ReplicaState
 from llmgw.core.restart_policy import RestartPolicy
 from llmgw.core.scaling import LoadSignals
 from llmgw.core.server_shares import share_of
+from llmgw.core.shared_load import GatewayLoad
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.server import tokens
@@ -148,11 +149,26 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         def load_of(profile: Profile, records: list[Replica]) -> LoadSignals:
             queued = sum((front.queue_depths().get(profile.model) or {}).values()) if front else 0
             loads = [scraper.load(r.id) for r in records if r.state == ReplicaState.READY] if scraper else []
-            return LoadSignals(
+            own = LoadSignals(
                 queue_depth=queued,
                 replicas=tuple(load for load in loads if load is not None),
                 idle_for=front.idle_for(profile.model) if front else 0.0,
             )
+            # The other servers' gateways too (none on a store of this server's own).
+            return shared_load.combine(own, profile.model, leadership.others_load)
+
+        def gateway_load() -> dict[str, GatewayLoad]:
+            if front is None:
+                return {}
+            depths = front.queue_depths()
+            return {
+                model: GatewayLoad(
+                    queued=sum((depths.get(model) or {}).values()), idle_for=front.idle_for(model)
+                )
+                for model in catalog.models()
+            }
+
+        leadership.gateway_load = gateway_load
 
         replicas = ReplicaManager(
             registry,

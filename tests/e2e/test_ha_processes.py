@@ -136,10 +136,10 @@ class Pair:
         return "\n".join(parts)
 
 
-def chat(gateway: str, key: str) -> int:
+def chat(gateway: str, key: str, model: str = "tiny") -> int:
     host, port = gateway.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    conn = http.client.HTTPConnection(host, int(port), timeout=90)
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     try:
         conn.request(
             "POST",
@@ -152,6 +152,20 @@ def chat(gateway: str, key: str) -> int:
         return response.status
     except OSError:
         return 0
+    finally:
+        conn.close()
+
+
+def models(gateway: str, key: str) -> list[str]:
+    host, port = gateway.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        body = response.read()
+        return [m["id"] for m in json.loads(body)["data"]] if response.status == 200 else []
+    except (OSError, ValueError):
+        return []
     finally:
         conn.close()
 
@@ -341,5 +355,43 @@ def test_a_quota_holds_across_two_servers(tmp_path, pg_cluster):
         with pytest.raises(urllib.error.HTTPError) as refused:
             b.admin("POST", "/admin/v1/jobs", {"model": "tiny", "node": "n1", "adapter": "x"})
         assert refused.value.code == 409 and "shared by several servers" in refused.value.read().decode()
+    finally:
+        pair.stop()
+
+
+def test_a_request_waiting_at_a_follower_scales_a_model_up_from_zero(tmp_path, pg_cluster):
+    """Only the leader scales, on every gateway's load: a request for a model with no replica,
+    sent to the follower's gateway, waits there and is served once the leader has started one."""
+    pair = Pair(tmp_path, pg_cluster)
+    try:
+        pair.start()
+        _ready, key = setup_fleet(pair)
+        b = pair.servers["b"]
+        b.admin(
+            "POST",
+            "/admin/v1/catalog",
+            {
+                "models": [{"name": "lazy", "path": "/models/tiny.gguf", "format": "gguf"}],
+                "profiles": [profile("lazy", model="lazy", min_replicas=0, max_replicas=1)],
+            },
+        )
+        wait_until(
+            lambda: any(
+                p["name"] == "lazy" for p in pair.servers["a"].admin("GET", "/admin/v1/profiles")["profiles"]
+            ),
+            "the leader to see the profile made on the follower",
+        )
+        assert [
+            r
+            for r in pair.servers["a"].admin("GET", "/admin/v1/replicas")["replicas"]
+            if r["profile"] == "lazy"
+        ] == []
+        wait_until(
+            lambda: "lazy" in models(b.endpoints["gateway"], key), "the follower's gateway to know the model"
+        )
+        started = time.monotonic()
+        assert chat(b.endpoints["gateway"], key, model="lazy") == 200, pair.logs()
+        print(f"\na request waiting at the follower was served after {time.monotonic() - started:.1f} s")
+        assert "scale lazy from 0 to 1" in pair.servers["a"].proc.output()
     finally:
         pair.stop()

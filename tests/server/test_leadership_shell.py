@@ -6,6 +6,7 @@ from __future__ import annotations
 import trio
 
 from llmgw.core import leadership as core
+from llmgw.core.shared_load import GatewayLoad
 from llmgw.server.leadership import Leadership
 from llmgw.server.store import StoreError
 
@@ -18,9 +19,10 @@ class Store:
     def __init__(self) -> None:
         self.row: core.LeaseRow | None = None
         self.seen: dict[str, float] = {}
+        self.loads: dict[str, str] = {}
         self.down: set[str] = set()
 
-    async def claim_leadership(self, me, address, lease, force=False):
+    async def claim_leadership(self, me, address, lease, force=False, load="{}"):
         if me in self.down:
             raise StoreError("unreachable")
         await trio.sleep(0.05)  # a round trip
@@ -29,7 +31,8 @@ class Store:
         if decision.write is not None:
             self.row = decision.write
         self.seen[me] = now
-        return decision, tuple(sorted(s for s, t in self.seen.items() if t > now - lease))
+        self.loads[me] = load
+        return decision, {s: self.loads[s] for s, t in sorted(self.seen.items()) if t > now - lease}
 
     async def release_leadership(self, me):
         freed = core.release(self.row, now=trio.current_time(), me=me)
@@ -58,6 +61,9 @@ async def test_one_leads_another_takes_over_when_it_cannot_reach_the_store(autoj
         await nursery.start(b.run)
         assert a.acting() and not b.acting() and (a.term, b.term) == (1, 1)
         assert a.share.servers == 2 or b.share.servers == 2
+        a.gateway_load = lambda: {"m": GatewayLoad(queued=4, idle_for=0.0)}
+        await trio.sleep(core.renew_interval(LEASE) * 2)  # both looked again: b has a's figures
+        assert b.others_load == [{"m": GatewayLoad(queued=4, idle_for=0.0)}] and a.others_load == [{}]
         nursery.start_soon(watch, [a, b], trio.current_time() + 40, log)
         await trio.sleep(10)
         assert a.acting() and not b.acting()

@@ -112,11 +112,12 @@ class Store(Protocol):
         errors (status not 2xx or 3xx) and avg_latency_ms."""
 
     async def claim_leadership(
-        self, me: str, address: str, lease: float, force: bool = False
-    ) -> tuple[Decision, tuple[str, ...]]:
+        self, me: str, address: str, lease: float, force: bool = False, load: str = "{}"
+    ) -> tuple[Decision, dict[str, str]]:
         """Acquire, renew or follow the leader lease (core.leadership.decide, by the store's
-        clock) in one compare-and-set transaction; ``me`` is recorded live. Returns the decision
-        and the live servers' ids (seen within ``lease``, ``me`` included), sorted."""
+        clock) in one compare-and-set transaction; ``me`` is recorded live with its gateway's
+        ``load`` (JSON, core.shared_load). Returns the decision and the live servers (seen within
+        ``lease``, ``me`` included): id → load, by id."""
 
     async def release_leadership(self, me: str) -> bool:
         """Frees the lease if ``me`` holds it, so a follower need not wait it out."""
@@ -238,9 +239,9 @@ class SqlStore:
         return await self._read(ops.summarise_usage, list(group_by), since, until)
 
     async def claim_leadership(
-        self, me: str, address: str, lease: float, force: bool = False
-    ) -> tuple[Decision, tuple[str, ...]]:
-        return await self._write(ops.claim_leadership, me, address, lease, force)
+        self, me: str, address: str, lease: float, force: bool = False, load: str = "{}"
+    ) -> tuple[Decision, dict[str, str]]:
+        return await self._write(ops.claim_leadership, me, address, lease, force, load)
 
     async def release_leadership(self, me: str) -> bool:
         return await self._write(ops.release_leadership, me)

@@ -303,23 +303,23 @@ def _write_lease(tx: Tx, row: LeaseRow) -> None:
 
 
 def claim_leadership(
-    tx: Tx, me: str, address: str, lease: float, force: bool
-) -> tuple[Decision, tuple[str, ...]]:
+    tx: Tx, me: str, address: str, lease: float, force: bool, load: str = "{}"
+) -> tuple[Decision, dict[str, str]]:
     """Acquire, renew or follow (core.leadership.decide) in one transaction holding the lease's
-    row; also records that ``me`` is live. Returns the decision and the live servers' ids (seen
-    within one lease, ``me`` included), sorted."""
+    row; also records that ``me`` is live, with its gateway's ``load`` (JSON). Returns the
+    decision and the live servers (seen within one lease, ``me`` included): id → load, by id."""
     now = float(tx.execute(_NOW[tx.dialect])[0][0])
     decision = leadership.decide(_lease_row(tx), now=now, me=me, address=address, lease=lease, force=force)
     if decision.write is not None:
         _write_lease(tx, decision.write)
     tx.execute(
-        "INSERT INTO servers (id, address, seen) VALUES (?, ?, ?) "
-        "ON CONFLICT (id) DO UPDATE SET address = excluded.address, seen = excluded.seen",
-        (me, address, now),
+        "INSERT INTO servers (id, address, seen, load) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (id) DO UPDATE SET address = excluded.address, seen = excluded.seen, load = excluded.load",
+        (me, address, now, load),
     )
     tx.execute("DELETE FROM servers WHERE seen < ?", (now - _FORGET_SERVER_AFTER,))
-    live = sorted(row[0] for row in tx.execute("SELECT id FROM servers WHERE seen > ?", (now - lease,)))
-    return decision, tuple(live)
+    live = tx.execute("SELECT id, load FROM servers WHERE seen > ?", (now - lease,))
+    return decision, dict(sorted((row[0], row[1]) for row in live))
 
 
 def release_leadership(tx: Tx, me: str) -> bool:

@@ -164,6 +164,14 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ){strict};
         """,
     ),
+    (
+        8,
+        """
+        -- What each server's gateway has waiting and how long each model has been idle there
+        -- (JSON, core/shared_load.py): the leader's scaler counts every gateway, not only its own.
+        ALTER TABLE servers ADD COLUMN load TEXT NOT NULL DEFAULT '{}';
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
