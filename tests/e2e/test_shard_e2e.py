@@ -106,7 +106,9 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
     tmp_path, public_parts, engine_user
 ):
     binary, model = public_parts
-    server = Server(tmp_path, heartbeat_interval=0.5).start()
+    # A liveness window (10 s) longer than a new agent process takes to start and register on
+    # a loaded machine: the kill -9 below must be a disconnect, never a lost node.
+    server = Server(tmp_path, heartbeat_interval=0.5, missed_heartbeats=20).start()
     engines = {"llama_server": str(binary), "run_as": engine_user, "stop_grace": "5s"}
     agent = start_agent(tmp_path, server, "cpu-1", engines=engines)
     engine_pid = 0
