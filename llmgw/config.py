@@ -317,10 +317,12 @@ class GatewayConfig:
     # go on serving while the server restarts or after it dies, and a new server adopts them.
     # 0: the gateway runs inside the server process (it then stops with the server). Several
     # spread the gateway over cores, each holding leased shares of every quota and of every
-    # replica's slots (core.leases): a replica with fewer slots than there are workers then
-    # has requests wait for a share to move, and workers cut off from the server stop once
-    # their leases run out (30 s). One, the default, holds everything for as long as it runs.
+    # replica's slots (core.leases), which it keeps serving on for as long as it runs: a replica
+    # with fewer slots than there are workers then has requests wait for a share to move.
     workers: int = attrs.field(default=1, validator=_worker_count)
+    # Several workers: one the server has not heard from for this long is killed and started
+    # again (only a worker known gone gives its shares of quotas and slots back).
+    lease_ttl: Duration = 30.0
     # Stop the workers when the server stops. false: they serve through a restart.
     stop_workers_on_exit: bool = False
 

@@ -36,16 +36,20 @@ hold at ``t``, at most the sum of charges, at most the limit. Hence:
 - **Slots**: a replica never has more requests in flight, over all workers, than its slots (as the
   ledger knew them when the requests started).
 
-**Expiry.** A lease lasts :data:`LEASE_TTL` from when the worker *sent* the report the grant
-answers (its own clock; the ledger counts from the grant, which came later, so the worker's
-lease always ends first whatever the two clocks' offsets). A worker cut off from the control
-plane keeps admitting on its last shares until then, and then admits nothing limited (429 for a
-tenant with quotas; no new request to any replica). The ledger keeps charging a silent worker
-until its lease has expired *and* what it admitted has left every window: one window's reach
-later (65 s for the minute limits, 25 h for the day's), and, for slots, ``slot_drain`` later (the
-longest a request may run; 0 when a worker's requests end with it). :meth:`LeaseLedger.gone`
-says a worker's process is known dead: its requests died with it, so its slots are free at once;
-its quota charges stay (what it admitted was real).
+**Silence.** A grant renews the worker's lease for :data:`LEASE_TTL`, counted from when the worker
+*sent* the report it answers (its own clock; the ledger counts from the grant, which came later,
+so the worker's count always ends first whatever the two clocks' offsets). A lease past its time
+does not lapse: a worker cut off from the control plane — the server killed, restarting, or gone
+for hours — keeps admitting on its last shares for as long as it runs, which is what lets the
+data plane outlive the control plane. That is safe because shares are only ever taken back with
+the holder's agreement: the ledger gives a silent worker no new share, but keeps charging it its
+last one, and never gives that to anyone else while the worker may be admitting on it. The only
+way a silent worker's shares come back is :meth:`LeaseLedger.gone`: its process is known to have
+ended (the server's shell kills a worker it has not heard from for a lease's length, by pid and
+start time, before it says so). Then its slots are free at once (its requests died with it), and
+its quota charges stay until what it admitted has left every window, one window's reach later
+(65 s for the minute limits, 25 h for the day's), under a name of their own: the worker the shell
+starts in its place is a new process to the ledger, with an empty book.
 
 **Demand.** Each limit is split by max-min fairness over the workers' demands (a quota's demand:
 what the worker's window holds plus what it was refused or is about to run short of; a slot's:
@@ -71,9 +75,10 @@ drain than it gave.
 
 **Restart.** A new ledger adopts each worker's shares from its first report (the old control
 plane's invariant still holds for them). Built with ``awaiting`` (the workers it adopted), it
-raises no share until each has reported or one :data:`LEASE_TTL` has passed, so nothing is
-handed out twice. A worker that died while no control plane ran is forgotten, as today's single
-process forgets every quota when it restarts.
+raises no share until each has reported or is gone, so nothing is handed out twice: the shell
+kills an adopted worker that does not report within a lease's length. A worker that died while
+no control plane ran is forgotten, as today's single process forgets every quota when it
+restarts.
 
 Call sequence, the worker's side (its shell, on trio's clock)::
 
@@ -187,7 +192,7 @@ class QuotaDemand:
     kind: str
     id: str
     limit: str
-    share: int  # what the worker admits against now (0 once its lease expired)
+    share: int  # what the worker admits against now
     held: int  # what its window holds
     wanted: int  # refused, or about to run short of, since its last report
 
@@ -296,16 +301,20 @@ class WorkerLeases:
         self._seq = 0
         self._acked = 0
         self._refused_for_share = False
-        self.expires_at = -math.inf  # on this worker's clock
+        self._granted = False
+        # When the control plane will count this worker silent unless it hears from it again
+        # (on this worker's clock): shown as the lease's time left; the shares do not lapse.
+        self.expires_at = -math.inf
 
     def live(self, now: float) -> bool:
-        return now < self.expires_at
+        """It holds shares: from its first grant on, for as long as it runs (see Silence)."""
+        return self._granted
 
     def share(self, subject: Subject, limit: str, now: float) -> int:
         return self._quota.get((subject, limit), 0) if self.live(now) else 0
 
     def slots(self, replica: str, now: float) -> int:
-        """The replica's slots this worker may fill now (0 once its lease expired)."""
+        """The replica's slots this worker may fill now (0 before its first grant)."""
         return self._slots.get(replica, 0) if self.live(now) else 0
 
     def tenant_weight(self, model: str, band: int, tenant: str) -> float:
@@ -314,7 +323,8 @@ class WorkerLeases:
         return self._weights.get((model, band, tenant), 1.0)
 
     def wants_report(self) -> bool:
-        """A request was refused for want of share: report now rather than at the next tick."""
+        """A request was refused for want of share, or a share was cut: report now rather than
+        at the next tick."""
         return self._refused_for_share
 
     def reserve(
@@ -408,6 +418,7 @@ class WorkerLeases:
             raise ValueError(f"grant for worker {grant.worker!r} applied to worker {self.worker!r}")
         if grant.seq <= self._acked:
             return  # an old grant: the shares it would set were already replaced
+        before = (dict(self._quota), dict(self._slots))
         if grant.full:
             self._quota.clear()
             self._slots.clear()
@@ -422,7 +433,13 @@ class WorkerLeases:
                 self._slots[s.replica] = s.share
             else:
                 self._slots.pop(s.replica, None)
+        # A cut is only in force for the ledger once this worker says it applied it: saying so at
+        # once (not at the next tick) is what lets the share move on to whoever waits for it.
+        for old, new in zip(before, (self._quota, self._slots), strict=True):
+            if any(new.get(pool, 0) < share for pool, share in old.items()):
+                self._refused_for_share = True
         self._weights = {(w.model, w.band, w.tenant): w.weight for w in grant.weights}
+        self._granted = True
         sent = self._sent.get(grant.answers)
         if sent is not None:
             self.expires_at = max(self.expires_at, sent + grant.ttl)
@@ -453,7 +470,7 @@ class _Hold:
 @attrs.define
 class _Pool:
     capacity: int
-    linger: float  # how long after a worker's lease expires its charge stays
+    linger: float  # how long after a worker is gone its charge stays (its windows' reach)
     holds: dict[str, _Hold] = attrs.field(factory=dict)
 
     def charged(self) -> int:
@@ -485,22 +502,17 @@ class LeaseLedger:
         now: float,
         *,
         ttl: float = LEASE_TTL,
-        slot_drain: float = 0.0,
         awaiting: Iterable[str] = (),
     ) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, not {ttl}")
-        if slot_drain < 0:
-            raise ValueError(f"slot_drain must be >= 0, not {slot_drain}")
         self.ttl = ttl
-        self.slot_drain = slot_drain
         self._pools: dict[PoolKey, _Pool] = {}
         self._workers: dict[str, _Worker] = {}
         self._models: dict[str, str] = {}  # replica → model
         self._waiting: dict[str, tuple[Waiting, ...]] = {}  # worker → its last report's waiters
         self._dirty: set[PoolKey] = set()
         self._awaiting = set(awaiting)
-        self._adopt_until = now + ttl if self._awaiting else -math.inf
 
     # --- what is split ---------------------------------------------------------------------------
 
@@ -516,7 +528,8 @@ class LeaseLedger:
             self._set_pool(key, None, 0.0)
         self._models = {replica: model for replica, (model, _) in replicas.items()}
         for replica, (_, slots) in replicas.items():
-            self._set_pool(("slot", replica), slots, self.slot_drain)
+            # A gone worker's slots are free at once (gone() drops them): its requests died with it.
+            self._set_pool(("slot", replica), slots, 0.0)
 
     def _set_pool(self, key: PoolKey, capacity: int | None, linger: float) -> None:
         pool = self._pools.get(key)
@@ -607,16 +620,24 @@ class LeaseLedger:
         self._dirty.add(key)
 
     def gone(self, worker: str, now: float) -> None:
-        """The worker's process is known to have ended: its requests ended with it."""
-        w = self._workers.get(worker)
+        """The worker's process is known to have ended: its requests ended with it, and it
+        admits nothing more. The only way a silent worker's shares come back (see Silence)."""
+        self._awaiting.discard(worker)
+        w = self._workers.pop(worker, None)
+        self._waiting.pop(worker, None)
         if w is None:
             return
         w.expires = min(w.expires, now)
         w.gone_at = now
+        # Its quota charges stay under a name of their own until its windows drain: the worker
+        # started again under its name is a new process, with an empty book and no shares.
+        tomb = f"{worker}\0{now!r}"
+        self._workers[tomb] = w
         for key, pool in self._pools.items():
-            if worker in pool.holds:
-                if key[0] == "slot":
-                    del pool.holds[worker]
+            hold = pool.holds.pop(worker, None)
+            if hold is not None:
+                if key[0] == "quota":
+                    pool.holds[tomb] = hold
                 self._dirty.add(key)
 
     def grant(self, worker: str, now: float) -> LeaseGrant:
@@ -631,7 +652,7 @@ class LeaseLedger:
                 pool.holds.setdefault(worker, _Hold())
                 self._dirty.add(key)
         self._sweep(now)
-        can_raise = now >= self._adopt_until or not self._awaiting
+        can_raise = not self._awaiting
         for key in sorted(self._dirty, key=repr):
             if key in self._pools:
                 self._rebalance(key, self._pools[key], now, can_raise)
@@ -668,6 +689,13 @@ class LeaseLedger:
             weights=self._tenant_weights(worker, now),
         )
 
+    def due(self) -> list[str]:
+        """Workers with changed shares not yet sent: a grant for each now (rather than with the
+        answer to its next report) moves a share in one round trip."""
+        return sorted(
+            name for name, w in self._workers.items() if w.pending and w.reported and w.gone_at is None
+        )
+
     # --- what the ledger holds, for metrics and tests ----------------------------------------
 
     def shares(self, key: PoolKey) -> dict[str, int]:
@@ -692,7 +720,7 @@ class LeaseLedger:
         return w is not None and now < w.expires
 
     def _sweep(self, now: float) -> None:
-        """Drop the charges of workers whose lease expired long enough ago."""
+        """Silent workers get no new shares; a gone one's charges go once its windows drained."""
         dead = {name: w for name, w in self._workers.items() if now >= w.expires}
         if not dead:
             return
@@ -702,7 +730,8 @@ class LeaseLedger:
                 if hold.share or hold.demand:
                     hold.share = hold.demand = 0  # its target: nothing; its charge stays
                     self._dirty.add(key)
-                if now >= dead[name].expires + pool.linger:
+                gone_at = dead[name].gone_at
+                if gone_at is not None and now >= gone_at + pool.linger:
                     del pool.holds[name]
                     self._dirty.add(key)
         for name in dead:
@@ -713,7 +742,12 @@ class LeaseLedger:
     def _rebalance(self, key: PoolKey, pool: _Pool, now: float, can_raise: bool) -> None:
         live = [name for name in pool.holds if self._live(name, now)]
         weights = self._slot_weights(key[1], live) if key[0] == "slot" else None
-        targets = share_out(pool.capacity, {name: pool.holds[name].demand for name in live}, weights)
+        # What silent and gone workers are still charged is not there to split: the live ones
+        # share the rest, so that one waiting is not left behind another's even half.
+        kept = sum(hold.charge for name, hold in pool.holds.items() if name not in live)
+        targets = share_out(
+            max(0, pool.capacity - kept), {name: pool.holds[name].demand for name in live}, weights
+        )
         for name, hold in pool.holds.items():
             target = targets.get(name, 0)
             if target < hold.share:

@@ -221,6 +221,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 keys_changed=tenants.changes,
                 stop_on_exit=config.gateway.stop_workers_on_exit,
                 tracing=config.tracing,
+                lease_ttl=config.gateway.lease_ttl,
             )
         front = pool or gate  # who holds the queues the scaler and the admin API read
         async with trio.open_nursery() as nursery:

@@ -111,8 +111,8 @@ class PushedState:
     def __init__(
         self, slots: Callable[[str], int] | None = None, live: Callable[[], bool] | None = None
     ) -> None:
-        # Several workers: a replica's slots for this one (its leased share), and whether its
-        # lease holds. None: a lone worker holds every slot, for as long as it runs.
+        # Several workers: a replica's slots for this one (its leased share), and whether it has
+        # had its first grant. None: a lone worker holds every slot.
         self._slots_of = slots
         self._live = live
         self._pushed: Routes | None = None
@@ -127,10 +127,9 @@ class PushedState:
         self.have_routes = False
 
     def fresh(self) -> bool:
-        """Ready to serve: it has had both halves of the state at least once (and a lease, when
-        it shares the quotas with other workers). A lone worker whose control plane has gone
-        stays fresh: serving with the last state is the point; one of several serves until its
-        lease runs out."""
+        """Ready to serve: it has had both halves of the state at least once (and its shares,
+        when it shares the quotas with other workers). A worker whose control plane has gone stays
+        fresh: serving with the last state (and shares) is the point."""
         return self.have_keys and self.have_routes and (self._live is None or self._live())
 
     # --- from the control plane ------------------------------------------------------------------
@@ -267,6 +266,8 @@ class Worker:
         self.shared_metrics = SharedExposition(self.metrics, spec.dir, spec.id, self._info)
         self.metrics.answer_with(self.shared_metrics.exposition)
         self._control: trio.CancelScope | None = None
+        self._serveable = trio.Event()  # set once the state is fresh: it then takes connections
+        self._reported_waiting: Mapping[tuple[str, int, str], int] = {}  # as the last lease report said
 
     def _info(self) -> WorkerInfo:
         now = trio.current_time()
@@ -291,24 +292,11 @@ class Worker:
         self.requests += 1
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listener = await _reuse_port_listener(self.spec.host, self.spec.port)
+        sock = await _reuse_port_socket(self.spec.host, self.spec.port)
         control = await _unix_listener(self.spec.socket_path)
         _write_state(self.spec)
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(
-                    lambda task_status: serve_gateway(
-                        self.state,
-                        self.spec.host,
-                        self.spec.port,
-                        gate=self.gate,
-                        on_done=self._count,
-                        metrics=self.metrics,
-                        fresh=self.state.fresh,
-                        listeners=[listener],
-                        task_status=task_status,
-                    )
-                )
                 nursery.start_soon(trio.serve_listeners, self._serve_control, [control])
                 nursery.start_soon(self._write_metrics)
                 log.info(
@@ -319,6 +307,25 @@ class Worker:
                     self.spec.port,
                 )
                 task_status.started()
+                # No connection before it has what a request needs (it would answer 401 to
+                # every key, or refuse every limited tenant): the kernel hands connections only
+                # to listening sockets, so until then its siblings take them all.
+                await self._serveable.wait()
+                sock.listen(1024)
+                await nursery.start(
+                    lambda task_status: serve_gateway(
+                        self.state,
+                        self.spec.host,
+                        self.spec.port,
+                        gate=self.gate,
+                        on_done=self._count,
+                        metrics=self.metrics,
+                        fresh=self.state.fresh,
+                        listeners=[trio.SocketListener(sock)],
+                        task_status=task_status,
+                    )
+                )
+                log.info("gateway worker %s has the control plane's state: taking connections", self.spec.id)
         finally:
             self.journal.close()
 
@@ -343,6 +350,8 @@ class Worker:
                             self.leases.apply(message, trio.current_time())
                             self.state.rebuild()  # slots may have moved
                             self.gate.redispatch()
+                        if self.state.fresh():
+                            self._serveable.set()
             except* LINK_ERRORS as group:
                 log.info("control plane link closed: %s", group.exceptions[0])
             except* Exception:
@@ -362,23 +371,28 @@ class Worker:
                 if now >= next_report:
                     await link.send(self._snapshot())
                     next_report = now + REPORT_INTERVAL
-                if self.leases is not None and (now >= next_lease or self.leases.wants_report()):
-                    await link.send(self._lease_report(now))
-                    next_lease = now + RENEW_INTERVAL
-                    self.state.rebuild()  # a lease that ran out takes its slots with it
+                if self.leases is not None:
+                    waiting = self.gate.waiting_by_tenant()
+                    # More waiters than the last report said: slots may have to move here, and
+                    # the ledger moves them on reports.
+                    grew = any(n > self._reported_waiting.get(key, 0) for key, n in waiting.items())
+                    if now >= next_lease or grew or self.leases.wants_report():
+                        await link.send(self._lease_report(now, waiting))
+                        self._reported_waiting = waiting
+                        next_lease = now + RENEW_INTERVAL
                 await trio.sleep(LEASE_TICK if self.leases is not None else REPORT_INTERVAL)
 
-    def _lease_report(self, now: float) -> LeaseReport:
+    def _lease_report(self, now: float, waiting: Mapping[tuple[str, int, str], int]) -> LeaseReport:
         assert self.leases is not None
         in_flight: dict[str, int] = {}
         for model in self.state.base_models():
             for replica, n in self.gate.in_flight(model).items():
                 in_flight[replica] = in_flight.get(replica, 0) + n
-        waiting = [
+        waiters = [
             LeaseWaiting(model=model, band=band, tenant=tenant, count=n)
-            for (model, band, tenant), n in sorted(self.gate.waiting_by_tenant().items())
+            for (model, band, tenant), n in sorted(waiting.items())
         ]
-        return self.leases.report(now, in_flight=in_flight, waiting=waiting)
+        return self.leases.report(now, in_flight=in_flight, waiting=waiters)
 
     async def _forward_waiting(self, link: LineStream) -> None:
         async for model in self._waiting_receive:
@@ -406,15 +420,15 @@ class Worker:
         )
 
 
-async def _reuse_port_listener(host: str, port: int) -> trio.SocketListener:
+async def _reuse_port_socket(host: str, port: int) -> trio.socket.SocketType:
+    """The gateway port, bound beside the other workers' (not listening yet)."""
     family, kind, proto, _, address = (await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
     sock = trio.socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Every worker of a server binds the same port: the kernel hashes connections across them.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     await sock.bind(address)
-    sock.listen(1024)
-    return trio.SocketListener(sock)
+    return sock
 
 
 async def _unix_listener(path: Path) -> trio.SocketListener:

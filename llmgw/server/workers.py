@@ -32,9 +32,8 @@ import trio
 
 from llmgw.config import TracingConfig
 from llmgw.core.backoff import reconnect_delay
-from llmgw.core.leases import LeaseLedger, LeaseReport
+from llmgw.core.leases import LEASE_TTL, LeaseLedger, LeaseReport
 from llmgw.core.quota import Limits
-from llmgw.gateway.relay import UPSTREAM_TIMEOUT
 from llmgw.procfs import start_time_of
 from llmgw.server.changes import Changes
 from llmgw.server.worker import WorkerSpec, load_spec, spec_path
@@ -75,6 +74,7 @@ def worker_command(spec_file: Path) -> list[str]:
 class _Worker:
     id: str
     pid: int = 0
+    start_time: int | None = None  # with the pid, names the process for good (llmgw.procfs)
     adopted: bool = False
     report: Report | None = None
     reported_at: float = -1e9  # trio time
@@ -88,6 +88,11 @@ class _Worker:
     # The ledger has had a lease report from it: a grant answers a report, so none is pushed
     # before the first (a restarted server's ledger has heard from nobody yet).
     lease_reported: bool = False
+    # When this server last heard a lease report from it (or took it on): a worker silent for a
+    # lease's length is killed, since only a worker known gone gives its shares back.
+    heard_at: float = attrs.field(factory=trio.current_time)
+    # Set when the ledger has changed shares for it: a grant goes at once (see _grant_when_due).
+    grant_due: trio.Event = attrs.field(factory=trio.Event)
 
 
 class WorkerPool:
@@ -106,8 +111,10 @@ class WorkerPool:
         keys_changed: Changes,
         stop_on_exit: bool = False,
         tracing: TracingConfig | None = None,
+        lease_ttl: float = LEASE_TTL,
     ) -> None:
         self._directory = directory
+        self._lease_ttl = lease_ttl
         self._tracing = tracing or TracingConfig()
         self._count = count
         self._host = host
@@ -201,9 +208,7 @@ class WorkerPool:
         adopted = self._find_running()
         self._reserve_port()
         if self._count > 1:
-            # A request may run as long as the relay waits for an engine: a worker cut off from
-            # the control plane holds its slots that long after its lease ends.
-            self._ledger = LeaseLedger(trio.current_time(), slot_drain=UPSTREAM_TIMEOUT, awaiting=adopted)
+            self._ledger = LeaseLedger(trio.current_time(), ttl=self._lease_ttl, awaiting=adopted)
         try:
             async with trio.open_nursery() as nursery:
                 for index in range(self._count):
@@ -214,7 +219,9 @@ class WorkerPool:
                     log.info(
                         "gateway worker %s (pid %d): not wanted any more, stopping it", extra.id, extra.pid
                     )
-                    nursery.start_soon(self._stop, extra)
+                    nursery.start_soon(self._retire, extra)
+                if self._ledger is not None:
+                    nursery.start_soon(self._kill_the_silent)
                 # Up once every worker serves: a client told the port may use it at once.
                 with trio.move_on_after(CONNECT_WITHIN) as waiting:
                     for worker in self._workers.values():
@@ -254,10 +261,10 @@ class WorkerPool:
                         port,
                         self._port,
                     )
-                    _signal(pid, signal.SIGTERM)
+                    _signal(_Worker(id=worker_id, pid=pid, start_time=started), signal.SIGTERM)
                     continue
                 self._port = self._port or port
-                found[worker_id] = _Worker(id=worker_id, pid=pid, adopted=True)
+                found[worker_id] = _Worker(id=worker_id, pid=pid, start_time=started, adopted=True)
                 log.info("gateway worker %s (pid %d) still serves: adopting it", worker_id, pid)
             else:
                 state_file.unlink(missing_ok=True)
@@ -286,21 +293,23 @@ class WorkerPool:
             log.info(
                 "gateway worker %s (pid %d) runs with other settings: replacing it", worker.id, worker.pid
             )
-            await self._stop(worker)
-            worker.pid, worker.adopted, worker.outdated = 0, False, False
+            await self._retire(worker)
+            worker.pid, worker.adopted, worker.outdated, worker.lease_reported = 0, False, False, False
         while True:
-            if not worker.pid or start_time_of(worker.pid) is None:
+            if not _alive(worker):
                 await self._start(worker)
             try:
                 await self._follow(worker)
             except (LinkLost, OSError, EOFError, trio.TooSlowError) as exc:
                 log.warning("gateway worker %s (pid %d): %s", worker.id, worker.pid, exc)
             worker.connected = False
-            if worker.pid and start_time_of(worker.pid) is not None:
+            if _alive(worker):
                 await trio.sleep(0.2)  # alive: the link alone dropped, connect again
                 continue
             if self._ledger is not None:
                 self._ledger.gone(worker.id, trio.current_time())  # its requests died with it
+            # The next process under this id is new to the ledger: no grant before its report.
+            worker.lease_reported = False
             delay = reconnect_delay(
                 worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
             )
@@ -361,6 +370,7 @@ class WorkerPool:
         finally:
             os.close(log_fd)
         worker.pid, worker.process, worker.adopted = process.pid, process, False
+        worker.start_time, worker.heard_at = start_time_of(process.pid), trio.current_time()
         log.info("gateway worker %s started (pid %d)", worker.id, process.pid)
 
     async def _follow(self, worker: _Worker) -> None:
@@ -382,6 +392,8 @@ class WorkerPool:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._push, link, worker, self.keys_changed, self._keys_now)
                 nursery.start_soon(self._push, link, worker, self.routes_changed, self._routes_now)
+                if self._ledger is not None:
+                    nursery.start_soon(self._grant_when_due, link, worker)
                 while True:
                     message = await link.receive()
                     if isinstance(message, Report):
@@ -394,8 +406,13 @@ class WorkerPool:
                     elif isinstance(message, LeaseReport) and self._ledger is not None:
                         now = trio.current_time()
                         self._ledger.receive(message, now)
-                        worker.lease_reported = True
+                        worker.lease_reported, worker.heard_at = True, now
                         await link.send(self._ledger.grant(worker.id, now))
+                        # The report may have freed a share another worker waits for.
+                        for name in self._ledger.due():
+                            other = self._workers.get(name)
+                            if other is not None and other is not worker:
+                                other.grant_due.set()
         except* LINK_ERRORS as group:
             lost = group.exceptions[0]
         finally:
@@ -418,26 +435,71 @@ class WorkerPool:
                     await link.send(self._ledger.grant(worker.id, trio.current_time()))
             await changes.wait_past(seen)
 
+    async def _grant_when_due(self, link: LineStream, worker: _Worker) -> None:
+        assert self._ledger is not None
+        while True:
+            await worker.grant_due.wait()
+            worker.grant_due = trio.Event()
+            if worker.lease_reported:
+                await link.send(self._ledger.grant(worker.id, trio.current_time()))
+
     async def _stop(self, worker: _Worker) -> None:
-        if not worker.pid or start_time_of(worker.pid) is None:
+        if not _alive(worker):
             return
-        _signal(worker.pid, signal.SIGTERM)
+        _signal(worker, signal.SIGTERM)
         with trio.move_on_after(STOP_GRACE):
-            while start_time_of(worker.pid) is not None:
+            while _alive(worker):
                 if worker.process is not None and worker.process.poll() is not None:
                     break
                 await trio.sleep(0.05)
-        if start_time_of(worker.pid) is not None and (
-            worker.process is None or worker.process.poll() is None
-        ):
-            _signal(worker.pid, signal.SIGKILL)
+        if _alive(worker) and (worker.process is None or worker.process.poll() is None):
+            _signal(worker, signal.SIGKILL)
         if worker.process is not None:
             await worker.process.wait()
 
+    async def _retire(self, worker: _Worker) -> None:
+        """Stops a worker for good, and tells the ledger it is gone (its shares come back)."""
+        await self._stop(worker)
+        if self._ledger is not None and not _alive(worker):
+            self._ledger.gone(worker.id, trio.current_time())
 
-def _signal(pid: int, signum: int) -> None:
+    async def _kill_the_silent(self) -> None:
+        """Kills each worker not heard from for a lease's length (see core.leases, Silence).
+
+        A silent worker serves on with its last shares, and the ledger cannot give them to
+        anyone else while it might; being this server's own process, it can be made gone. Its
+        keeper then sees it die, tells the ledger, and starts it again.
+        """
+        assert self._ledger is not None
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for worker in list(self._workers.values()):
+                if now - worker.heard_at > self._ledger.ttl and _alive(worker):
+                    log.warning(
+                        "gateway worker %s (pid %d) has not reported for %.0f s: killing it, so that "
+                        "its shares of quotas and slots can be given out again",
+                        worker.id,
+                        worker.pid,
+                        now - worker.heard_at,
+                    )
+                    _signal(worker, signal.SIGKILL)
+                    worker.heard_at = now
+
+
+def _alive(worker: _Worker) -> bool:
+    """Whether the worker's process still runs: the pid, and the same process behind it."""
+    if not worker.pid:
+        return False
+    started = start_time_of(worker.pid)
+    return started is not None and (worker.start_time is None or started == worker.start_time)
+
+
+def _signal(worker: _Worker, signum: int) -> None:
+    if not _alive(worker):
+        return  # gone, or its pid names another process now
     try:
-        os.kill(pid, signum)
+        os.kill(worker.pid, signum)
     except ProcessLookupError:
         pass
 

@@ -141,7 +141,7 @@ def test_a_share_taken_back_is_not_regranted_until_the_window_holding_it_drains(
     assert isinstance(b.reserve(quota, 80, now=67.0), Reservation)
 
 
-def test_a_cut_off_worker_serves_on_its_lease_until_it_expires_and_its_share_comes_back_after():
+def test_a_cut_off_worker_serves_on_its_shares_and_they_come_back_only_once_it_is_gone():
     ledger = LeaseLedger(0.0)
     ledger.set_limits(TENANT, Limits(rpm=10))
     a, b = WorkerLeases("a"), WorkerLeases("b")
@@ -150,19 +150,55 @@ def test_a_cut_off_worker_serves_on_its_lease_until_it_expires_and_its_share_com
         exchange(ledger, b, now)
     quota = {TENANT: Limits(rpm=10)}
     a.report(1.5)  # sent at 1.5, never answered: a is cut off from here on
-    # Its lease runs from the report its last grant answered (sent at 1.0).
-    assert a.expires_at == 1.0 + LEASE_TTL
-    assert isinstance(a.reserve(quota, 0, now=LEASE_TTL), Reservation)
-    assert a.reserve(quota, 0, now=1.0 + LEASE_TTL) == Refused(
-        subject=TENANT, limit="rpm", retry_after=RENEW_INTERVAL
-    )
-    # The ledger keeps a's charge for its lease and the minute's reach after it.
-    for now in range(2, 97, 5):
+    assert a.expires_at == 1.0 + LEASE_TTL  # when the control plane counts it silent
+    # Long past that, it still admits on its share, and no more: the data plane serves on.
+    later = 1.0 + LEASE_TTL + 300.0
+    admitted = [a.reserve(quota, 0, now=later) for _ in range(6)]
+    assert [isinstance(r, Reservation) for r in admitted] == [True] * 5 + [False]
+    # The ledger never hands a's share to b while a may be admitting on it.
+    for now in range(2, 600, 7):
         exchange(ledger, b, float(now))
-        assert ledger.shares(RPM)["b"] <= 5
-    exchange(ledger, b, 1.0 + LEASE_TTL + MINUTE.span_seconds + MINUTE.bucket_seconds)
-    exchange(ledger, b, 98.0)
+        assert ledger.shares(RPM)["b"] <= 5 and ledger.charged(RPM) <= 10
+    # a's process is known to be gone (the server killed it): its share comes back once what
+    # it admitted has left the minute's window, not before.
+    ledger.gone("a", 600.0)
+    exchange(ledger, b, 600.0 + MINUTE.span_seconds)
+    assert ledger.shares(RPM)["b"] <= 5
+    exchange(ledger, b, 600.0 + MINUTE.span_seconds + MINUTE.bucket_seconds)
+    exchange(ledger, b, 600.0 + MINUTE.span_seconds + MINUTE.bucket_seconds + 1)
     assert ledger.shares(RPM) == {"b": 10}
+
+
+def test_a_worker_started_again_under_its_name_is_a_new_process_to_the_ledger():
+    ledger = LeaseLedger(0.0)
+    ledger.set_limits(TENANT, Limits(rpm=10))
+    ledger.set_replicas({"r": ("m", 4)})
+    a, b = WorkerLeases("a"), WorkerLeases("b")
+    for now in (0.0, 1.0, 2.0):
+        exchange(ledger, a, now)
+        exchange(ledger, b, now)
+    quota = {TENANT: Limits(rpm=10)}
+    for _ in range(5):
+        assert isinstance(a.reserve(quota, 0, now=2.5), Reservation)
+    exchange(ledger, a, 3.0)  # its window holds 5
+    ledger.gone("a", 3.5)
+    # The new a counts its reports from 1 again: heard, granted, and its slots come at once (the
+    # old process's requests died with it), while the old one's 5 requests still count.
+    again = WorkerLeases("a")
+    for now in (4.0, 5.0, 6.0):
+        exchange(ledger, again, now)
+        exchange(ledger, b, now)
+    assert again.live(6.0) and again.slots("r", 6.0) > 0
+    assert ledger.charged(RPM) <= 10
+    assert again.share(TENANT, "rpm", 6.0) + b.share(TENANT, "rpm", 6.0) <= 5
+    # The old process's charge is left out of the split: b, which held half of all of it, is
+    # cut to half of what is left, and the new a, refused, gets the other half in two rounds.
+    assert isinstance(again.reserve(quota, 0, now=6.5), Refused) or again.share(TENANT, "rpm", 6.5) > 0
+    for now in (7.0, 7.5):
+        exchange(ledger, again, now)
+        exchange(ledger, b, now)
+    exchange(ledger, again, 8.0)
+    assert again.share(TENANT, "rpm", 8.0) >= 2 and ledger.charged(RPM) <= 10
 
 
 def test_a_new_ledger_adopts_the_workers_shares_and_raises_none_until_they_reported():
@@ -220,6 +256,7 @@ lease_steps = st.one_of(
     st.tuples(st.just("deliver_report")),
     st.tuples(st.just("deliver_grant"), st.sampled_from(WORKERS)),
     st.tuples(st.just("cut"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("restart"), st.sampled_from(WORKERS)),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 5.0, 20.0, 40.0])),
 )
 schedules = st.lists(st.one_of(client_steps, client_steps, lease_steps), max_size=500)
@@ -260,7 +297,19 @@ def run_two_workers(schedule) -> list[Admitted]:
             if event[1] not in cut:
                 workers[event[1]].apply(grant, now)
         elif kind == "cut":
-            cut.add(event[1])  # it keeps serving, on its last lease
+            cut.add(event[1])  # it keeps serving, on its last shares, for as long as it runs
+        elif kind == "restart":
+            # Its process dies (its requests count at their estimates), the server's shell sees
+            # it go — its link ended, so nothing more of it reaches the ledger — and starts a new
+            # process under its name.
+            name = event[1]
+            for client in [c for c, (where, _, _) in holding.items() if where == name]:
+                del holding[client]
+            to_ledger[:] = [r for r in to_ledger if r.worker != name]
+            to_worker[name] = []
+            cut.discard(name)
+            ledger.gone(name, now)
+            workers[name] = WorkerLeases(name)
         elif kind == "tick":
             now += event[1]
         elif kind == "client":
@@ -328,7 +377,7 @@ def test_64_clients_over_two_workers_get_the_quota_once_shares_follow_them():
 
 # --- slot leases ------------------------------------------------------------------------------
 
-DRAIN = 30.0  # the longest a request runs in these schedules: the ledger's slot_drain
+DRAIN = 30.0  # the longest a request runs in these schedules
 
 slot_steps = st.one_of(
     st.tuples(st.just("start"), st.integers(0, 2), st.integers(0, 3)),
@@ -347,7 +396,7 @@ slot_steps = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(slot_steps, max_size=400))
 def test_a_replica_never_has_more_requests_in_flight_than_its_slots_across_workers(schedule):
-    ledger = LeaseLedger(0.0, slot_drain=DRAIN)
+    ledger = LeaseLedger(0.0)
     replicas = {"r0": ("m", 2), "r1": ("m", 3)}
     ledger.set_replicas(replicas)
     made = 2
@@ -400,11 +449,17 @@ def test_a_replica_never_has_more_requests_in_flight_than_its_slots_across_worke
             name = names[event[1]]
             in_flight[name] = {}  # its requests die with it
             if event[2]:
-                ledger.gone(name, now)  # its supervisor saw it go
-            # A new process under a new name takes its place.
-            generation[event[1]] += 1
-            new = f"w{event[1]}.{generation[event[1]]}"
-            names[event[1]] = new
+                # Its supervisor saw it go (its link ended: nothing more of it arrives) and starts
+                # a new process under its name.
+                ledger.gone(name, now)
+                to_ledger[:] = [r for r in to_ledger if r.worker != name]
+                cut.discard(name)
+                new = name
+            else:
+                # Unseen: it may as well be running still, so a new process under a new name.
+                generation[event[1]] += 1
+                new = f"w{event[1]}.{generation[event[1]]}"
+                names[event[1]] = new
             workers[new] = WorkerLeases(new)
             in_flight[new] = {}
             to_worker[new] = []

@@ -261,6 +261,52 @@ def test_a_killed_worker_costs_only_its_own_connections(real_parts, tmp_path):
         fleet.stop()
 
 
+def test_workers_serve_on_their_shares_past_a_lease_and_a_silent_one_is_replaced(real_parts, tmp_path):
+    """Two workers and a tenant with quotas, so that every admission needs a share. A worker
+    stopped with SIGSTOP goes silent: the server kills it after the lease's length and starts
+    another. Then the server is killed: long past the lease's length, both workers still serve
+    on their last shares."""
+    name = "smollm2-cpu"
+    ttl = 3.0
+    fleet = Fleet(tmp_path, real_parts, {name: profile(name)}, gateway={"workers": 2, "lease_ttl": f"{ttl}s"})
+    try:
+        fleet.start()
+        fleet.wait_ready(name, 1)
+        fleet.ctl_ok("tenant", "limits", "routing", "--rpm", "200")
+
+        def both_serve() -> bool:
+            return len(workers(fleet)) == 2 and all(w["serving"] for w in workers(fleet))
+
+        wait_until(both_serve, "both workers to serve", deadline=60)
+        silent = all_worker_states(fleet)["w1"]["pid"]
+        os.kill(silent, signal.SIGSTOP)
+        wait_until(
+            lambda: all_worker_states(fleet)["w1"]["pid"] != silent,
+            "the silent worker to be replaced",
+            deadline=60,
+            proc=fleet.server.proc,
+        )
+        assert f"w1 (pid {silent}) has not reported" in fleet.server.proc.output()
+        wait_until(both_serve, "both workers to serve again", deadline=60)
+        assert [chat(fleet, f"Before the kill {n}: say hi.")[0] for n in range(6)] == [200] * 6
+
+        before = all_worker_states(fleet)
+        fleet.server.proc.kill9()
+        killed = time.monotonic()
+        wait_until(lambda: time.monotonic() - killed > 2 * ttl + 1, "two leases' length without a server")
+        host, port = fleet.gateway
+        for _ in range(6):  # new connections each: both workers answer
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            conn.close()
+        statuses = [chat(fleet, f"With no server {n}: say hi.")[0] for n in range(8)]
+        assert statuses == [200] * 8, statuses
+        assert all_worker_states(fleet) == before
+    finally:
+        fleet.stop()
+
+
 def workers(fleet: Fleet) -> list[dict]:
     return fleet.server.admin("GET", "/admin/v1/workers")["workers"]
 
