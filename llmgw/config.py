@@ -323,6 +323,9 @@ class GatewayConfig:
     # Several workers: one the server has not heard from for this long is killed and started
     # again (only a worker known gone gives its shares of quotas and slots back).
     lease_ttl: Duration = 30.0
+    # Count tokens per tenant on the gateway's /metrics (llmgw_tenant_tokens_total). Off by
+    # default: /metrics needs no key, so whoever reaches the gateway port reads the tenants' names.
+    tenant_metrics: bool = False
     # Stop the workers when the server stops. false: they serve through a restart.
     stop_workers_on_exit: bool = False
 

@@ -9,8 +9,9 @@ Queue depth and the engines' load are not pushed: they are read when /metrics is
 gate's queues and the engine scraper (gauges that always show the present, at no cost per request).
 
 /metrics needs no key on the gateway port: scrapers (Prometheus, the agent of a monitoring stack)
-rarely hold a bearer token, and the text carries model names, replica ids, tenant names (the
-operator's, for tokens per tenant) and counts only — no key, prompt or address.
+rarely hold a bearer token, and the text carries model names, replica ids and counts only — no
+key, prompt or address, and tenants' names only where the operator asks for tokens per tenant
+(gateway.tenant_metrics).
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ class GatewayMetrics:
         engines: EngineSamples | None = None,
         ttft_target: float = TTFT_TARGET,
         ttft_targets: Callable[[str], float | None] | None = None,
+        tenants: bool = False,
     ) -> None:
         self._ttft_target = ttft_target
+        # Tokens per tenant (gateway.tenant_metrics): off unless asked for, since /metrics needs
+        # no key and tenants' names would be anyone's to read who can reach the port.
+        self._count_tenants = tenants
         # A model's own target (its profile's ttft_target), when it has one.
         self._ttft_targets = ttft_targets
         # A registry of its own: tests (and two gateways in one process) do not share counters.
@@ -177,6 +182,8 @@ class GatewayMetrics:
 
     def on_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
         """A request's usage, as the gate settled it for its tenant."""
+        if not self._count_tenants:
+            return
         children = self._by_tenant.get(tenant)
         if children is None:
             if len(self._by_tenant) >= MAX_TENANT_LABELS:

@@ -204,6 +204,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             engines=scraper,
             ttft_target=config.gateway.ttft_target,
             ttft_targets=lambda model: _ttft_target(catalog, model),
+            tenants=config.gateway.tenant_metrics,
         )
         gate.observer = metrics
         # The gateway in worker processes of its own (see server/workers.py), or in this one.
@@ -222,6 +223,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 stop_on_exit=config.gateway.stop_workers_on_exit,
                 tracing=config.tracing,
                 lease_ttl=config.gateway.lease_ttl,
+                tenant_metrics=config.gateway.tenant_metrics,
             )
         front = pool or gate  # who holds the queues the scaler and the admin API read
         async with trio.open_nursery() as nursery:

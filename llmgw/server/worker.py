@@ -75,6 +75,7 @@ class WorkerSpec:
     # or <service_name>-gateway-worker, its id as service.instance.id). The file is 0600: the
     # collector's headers are secrets.
     tracing: TracingConfig = attrs.field(factory=TracingConfig)
+    tenant_metrics: bool = False  # gateway.tenant_metrics
 
     @property
     def dir(self) -> Path:
@@ -261,6 +262,7 @@ class Worker:
             engines=self.state,
             ttft_target=spec.ttft_target,
             ttft_targets=self.state.ttft_target,
+            tenants=spec.tenant_metrics,
         )
         self.gate.observer = self.metrics
         self.shared_metrics = SharedExposition(self.metrics, spec.dir, spec.id, self._info)

@@ -112,7 +112,9 @@ class WorkerPool:
         stop_on_exit: bool = False,
         tracing: TracingConfig | None = None,
         lease_ttl: float = LEASE_TTL,
+        tenant_metrics: bool = False,
     ) -> None:
+        self._tenant_metrics = tenant_metrics
         self._directory = directory
         self._lease_ttl = lease_ttl
         self._tracing = tracing or TracingConfig()
@@ -349,6 +351,7 @@ class WorkerPool:
             queue_timeout=self._queue_timeout,
             ttft_target=self._ttft_target,
             leased=self._count > 1,
+            tenant_metrics=self._tenant_metrics,
             tracing=self._tracing,
         )
 

@@ -136,7 +136,7 @@ def test_the_checks_catch_a_missing_metric_a_missing_label_and_a_legend_not_kept
 
 @pytest.mark.slow
 def test_every_gateway_metric_and_label_the_dashboard_queries_is_on_a_running_gateways_metrics(tmp_path):
-    server = Server(tmp_path, gateway={"workers": 2}).start()
+    server = Server(tmp_path, gateway={"workers": 2, "tenant_metrics": True}).start()
     # Each answer takes 2 s and the replica has one slot: a second request waits in the queue.
     engines = {
         "llama_server": fake_llama_server(tmp_path, response_delay="2"),

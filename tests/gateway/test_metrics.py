@@ -366,19 +366,28 @@ async def test_tokens_are_counted_per_tenant_as_the_gate_settles_them():
     from llmgw.server.gate import ControlPlaneGate
     from tests.server.test_gate import Key, Keys, Room, chat, served
 
-    metrics = GatewayMetrics()
-    keys = Keys(("a", Key("ka", "acme")), ("b", Key("kb", "bravo")))
-    gate = ControlPlaneGate(keys, Room(4), observer=metrics)
-    for secret, usage in (("a", Usage(3, 5, 8)), ("a", Usage(1, 2, 3)), ("b", Usage(7, 0, 7)), ("b", None)):
-        payload, size = chat()
-        ticket = await gate.admit(gate.authenticate(f"Bearer {secret}"), "m", payload, size)
-        gate.finish(ticket, served(usage))
-    samples = {
-        (s.labels["tenant"], s.labels["direction"]): s.value
-        for family in text_string_to_metric_families(metrics.exposition().decode())
-        for s in family.samples
-        if s.name == "llmgw_tenant_tokens_total"
-    }
+    async def tenant_tokens(metrics: GatewayMetrics) -> dict:
+        keys = Keys(("a", Key("ka", "acme")), ("b", Key("kb", "bravo")))
+        gate = ControlPlaneGate(keys, Room(4), observer=metrics)
+        for secret, usage in (
+            ("a", Usage(3, 5, 8)),
+            ("a", Usage(1, 2, 3)),
+            ("b", Usage(7, 0, 7)),
+            ("b", None),
+        ):
+            payload, size = chat()
+            ticket = await gate.admit(gate.authenticate(f"Bearer {secret}"), "m", payload, size)
+            gate.finish(ticket, served(usage))
+        return {
+            (s.labels["tenant"], s.labels["direction"]): s.value
+            for family in text_string_to_metric_families(metrics.exposition().decode())
+            for s in family.samples
+            if s.name == "llmgw_tenant_tokens_total"
+        }
+
+    # Off by default: /metrics needs no key, and tenants' names are not for anyone to read.
+    assert await tenant_tokens(GatewayMetrics()) == {}
+    samples = await tenant_tokens(GatewayMetrics(tenants=True))
     assert samples == {
         ("acme", "prompt"): 4.0,
         ("acme", "completion"): 7.0,
