@@ -155,6 +155,7 @@ class Address:
 # int or str, so callers never see a wrapper type.
 Duration = Annotated[float, "seconds; written 250ms, 5s, 2m, 1h or a number of seconds"]
 PositiveInt = Annotated[int, "an integer >= 1"]
+WorkerCount = Annotated[int, "auto (one per core) or a number of processes from 0"]
 LogLevel = Annotated[str, "debug, info, warning or error"]
 NodeName = Annotated[str, "a lowercase DNS label, dots allowed"]
 
@@ -294,6 +295,26 @@ def _catalog_problems(models: Iterable[Model], profiles: Iterable[Profile]) -> I
 MAX_GATEWAY_WORKERS = 256
 
 
+def cores() -> int:
+    """The CPUs this process may run on: its affinity, which a container's cpuset limits."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _auto_workers() -> int:
+    return min(cores(), MAX_GATEWAY_WORKERS)
+
+
+def _structure_worker_count(value: Any, _type: Any) -> int:
+    if value == "auto":
+        return _auto_workers()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _BadValue(f"expected auto (one per core) or a number of workers, got {_show(value)}")
+    return value
+
+
 def _worker_count(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GATEWAY_WORKERS:
         raise _BadValue(
@@ -318,8 +339,10 @@ class GatewayConfig:
     # 0: the gateway runs inside the server process (it then stops with the server). Several
     # spread the gateway over cores, each holding leased shares of every quota and of every
     # replica's slots (core.leases), which it keeps serving on for as long as it runs: a replica
-    # with fewer slots than there are workers then has requests wait for a share to move.
-    workers: int = attrs.field(default=1, validator=_worker_count)
+    # with fewer slots than there are workers has a request wait for a share to move (one round
+    # trip on a local socket). auto (the default): one per core this server may run on (its CPU
+    # affinity), at least 1.
+    workers: WorkerCount = attrs.field(factory=lambda: _auto_workers(), validator=_worker_count)
     # Several workers: one the server has not heard from for this long is killed and started
     # again (only a worker known gone gives its shares of quotas and slots back).
     lease_ttl: Duration = 30.0
@@ -811,6 +834,7 @@ def _make_converter() -> cattrs.Converter:
     for marker, hook in [
         (Duration, lambda value, _type: parse_duration(value)),
         (PositiveInt, _structure_positive_int),
+        (WorkerCount, _structure_worker_count),
         (LogLevel, _structure_log_level),
         (NodeName, _structure_node_name),
         (ComputeCapability, _structure_compute_capability),

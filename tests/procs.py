@@ -109,10 +109,12 @@ class Server:
                 "data_dir": str(self.data_dir),
                 "link": {"listen": f"127.0.0.1:{link_port}", **link},
                 "admin": {"listen": f"127.0.0.1:{admin_port}"},
-                # A test's server stops its gateway workers with it, unless the test says otherwise.
+                # A test's server stops its gateway workers with it, unless the test says otherwise,
+                # and runs one, whatever the machine's cores (tests that are about several ask).
                 "gateway": {
                     "listen": f"127.0.0.1:{gateway_port}",
                     "stop_workers_on_exit": True,
+                    "workers": 1,
                     **(gateway or {}),
                 },
                 **({"reconcile": reconcile} if reconcile else {}),

@@ -958,3 +958,17 @@ def test_structure_catalog_reports_every_problem_by_name_or_place() -> None:
         "profiles: expected a list of entries, got a mapping"
     ]
     assert structure_catalog([1])[2] == ["expected a JSON object with models and profiles, got a list"]
+
+
+def test_gateway_workers_default_to_one_per_core_this_server_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert parse_server_config("gateway: {}").gateway.workers == 3
+    assert parse_server_config("gateway: {workers: auto}").gateway.workers == 3
+    assert parse_server_config("gateway: {workers: 0}").gateway.workers == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(1000)))
+    assert parse_server_config("gateway: {workers: auto}").gateway.workers == 256
+    for bad, said in (("many", 'got "many"'), ("true", "got true"), ("-1", "got -1"), ("257", "got 257")):
+        with pytest.raises(ConfigError, match=f"gateway.workers: .*{said}"):
+            parse_server_config(f"gateway: {{workers: {bad}}}")
