@@ -21,6 +21,7 @@ its node runs them. A job loaded from the store began its trace in an earlier se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from llmgw.core.training import (
 from llmgw.server.catalog import Catalog
 from llmgw.server.changes import Changes
 from llmgw.server.nodes import NodeRegistry, NodeUnavailable
-from llmgw.server.store import AdapterRow, JobRow, Store, StoreError
+from llmgw.server.store import AdapterRow, JobRow, Store, StoreError, adapter_files
 from llmgw.wire.codec import converter
 from llmgw.wire.h2link import LinkClosed
 from llmgw.wire.messages import CancelJob, CommandResult, JobPiece, JobStatus, Message, Register, StartJob
@@ -170,9 +171,11 @@ class JobManager:
 
     # --- start ----------------------------------------------------------------------------------
 
-    async def load(self) -> None:
+    async def load(self, *, shared: bool = False) -> None:
         """Jobs and adapters from the store; call after the registry's load. Whatever a previous
-        run left half-received is removed; jobs that cannot continue are failed."""
+        run left half-received is removed; jobs that cannot continue are failed. Each adapter's
+        files are made whole from the store when this data_dir lacks them (and put into the
+        store when only this data_dir has them). ``shared``: other servers use the store too."""
         await trio.to_thread.run_sync(self._prepare_dirs)
         for row in await self._store.list_adapters():
             files = converter.structure(json.loads(row.files), tuple[FileDigest, ...])
@@ -185,6 +188,12 @@ class JobManager:
                 gguf=bool(row.gguf),
             )
         await trio.to_thread.run_sync(self._remove_unlisted_adapter_dirs)
+        if not shared:  # on a shared store another server's staged chunks may be on their way
+            if removed := await self._store.delete_unlisted_chunks():
+                log.warning("adapters: removed %d chunks of files no adapter in the store names", removed)
+        await adapter_files.reconcile(
+            self._store, self.adapters_dir, [(a.name, a.files) for a in self._adapters.values()]
+        )
         now = self._clock()
         for row in await self._store.list_jobs():
             job = converter.structure(json.loads(row.record), core.Job)
@@ -400,6 +409,16 @@ class JobManager:
         except OSError as e:
             self._fail(job.id, f"cannot keep the adapter's files: {e}")
             return
+        # The bytes go into the store too (staged, named in the finish's transaction): the
+        # store, not this data_dir, is what a copy moves and other servers read.
+        staged = adapter_files.job_staging(job.id)
+        try:
+            await self._store.delete_chunks(staged)  # a previous try's, cut short
+            await adapter_files.put_files(self._store, staged, target, job.files)
+        except StoreError as e:
+            await trio.to_thread.run_sync(_remove, target)
+            self._fail(job.id, f"cannot keep the adapter's files in the store: {e}")
+            return
         now = self._clock()
         done = core.succeed(job, now)
         adapter = Adapter(
@@ -412,9 +431,11 @@ class JobManager:
         )
         try:
             async with self._write_lock:
-                await self._store.finish_job(_job_row(done), _adapter_row(adapter))
+                await self._store.finish_job(_job_row(done), _adapter_row(adapter), staged)
         except StoreError as e:
             await trio.to_thread.run_sync(_remove, target)
+            with trio.CancelScope(shield=True), contextlib.suppress(StoreError):
+                await self._store.delete_chunks(staged)  # else the next start removes them
             self._fail(job.id, f"cannot register the adapter: {e}")
             return
         if self._jobs.get(job.id) is not job:

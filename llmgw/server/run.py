@@ -94,7 +94,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         )
         # Training jobs: loaded after the nodes, since a job whose node is gone fails at once.
         jobs = JobManager(store, registry, catalog, config.data_dir)
-        await jobs.load()
+        await jobs.load(shared=shared)
         if shared:
             # Training jobs stay with one server for now (docs/ha.md): with several, a job's
             # reports and upload would need to follow the lease from server to server.

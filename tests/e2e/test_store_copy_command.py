@@ -41,7 +41,7 @@ async def test_the_command_copies_verifies_and_keeps_the_password_off_its_output
 
     done = await trio.to_thread.run_sync(lambda: run_copy(config, "--to", url, env=env))
     assert done.returncode == 0, done.stderr
-    assert "verified: 9 tables" in done.stdout
+    assert "verified: 10 tables" in done.stdout
     assert pg_cluster.password not in done.stdout + done.stderr
 
     again = await trio.to_thread.run_sync(lambda: run_copy(config, "--to", url, env=env))

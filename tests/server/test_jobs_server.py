@@ -311,6 +311,12 @@ async def test_a_job_is_sent_only_to_a_connected_idle_node_and_succeeds(tmp_path
         assert stat.S_IMODE(kept.stat().st_mode) == 0o600
     assert stat.S_IMODE((server.data_dir / "adapters" / "tiny-qa").stat().st_mode) == 0o700
     assert list((server.data_dir / "adapters" / ".incoming").iterdir()) == []
+    # The bytes are in the store too, under the adapter's name (nothing left staged): what a copy
+    # of the store moves and a server with an empty data_dir rebuilds the files from.
+    sizes = await server.jobs._store.stored_file_sizes()
+    assert {key: size for key, (_, size) in sizes.items()} == {
+        ("tiny-qa", name): len(data) for name, data in ADAPTER_FILES.items()
+    }
 
     # The node is free again: the second job goes.
     start = await agent.answer(StartJob)
@@ -620,6 +626,12 @@ class MemoryStore:
 
     async def list_adapters(self):
         return []
+
+    async def delete_unlisted_chunks(self):
+        return 0
+
+    async def stored_file_sizes(self):
+        return {}
 
     async def save_jobs(self, rows):
         self.job_rows += rows

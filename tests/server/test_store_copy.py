@@ -46,8 +46,11 @@ async def fill(store) -> bytes:
         ]
     )
     await store.save_jobs([JobRow("j-1", "gpu-1", "Training", 1.0, '{"id": "j-1"}')])
+    await store.put_chunks(".incoming/j-1", "adapter.gguf", 0, [b"\x00" * 10, b"\x01\x02"])
     await store.finish_job(
-        JobRow("j-1", "gpu-1", "Succeeded", 1.0, "{}"), AdapterRow("faq", "Qwen", "j-1", 2.0, "[]", 1)
+        JobRow("j-1", "gpu-1", "Succeeded", 1.0, "{}"),
+        AdapterRow("faq", "Qwen", "j-1", 2.0, "[]", 1),
+        ".incoming/j-1",
     )
     await store.ship_journal("w0.000001.journal", [], 4096)
     return secret
@@ -74,6 +77,8 @@ async def listings(store) -> list:
         await store.journal_offsets(),
         await store.summarise_usage(["tenant", "model", "day"], None, None),
         await store.get_secret("admin_token_sha256"),
+        await store.stored_file_sizes(),
+        await store.read_chunks("faq", "adapter.gguf", 0, 10),
     ]
 
 

@@ -86,9 +86,24 @@ class Store(Protocol):
     async def list_jobs(self) -> list[JobRow]: ...
     async def list_adapters(self) -> list[AdapterRow]: ...
 
-    async def finish_job(self, job: JobRow, adapter: AdapterRow) -> None:
+    async def finish_job(self, job: JobRow, adapter: AdapterRow, staged: str = "") -> None:
         """The job's row and its adapter's, in one transaction; a name taken fails both
-        (ConstraintViolation)."""
+        (ConstraintViolation). ``staged``: the chunks put under that name become the adapter's."""
+
+    async def put_chunks(self, adapter: str, file: str, first_seq: int, chunks: Sequence[bytes]) -> None:
+        """Adds chunks of one file of an adapter (or of a staging name), in one transaction."""
+
+    async def read_chunks(
+        self, adapter: str, file: str, first_seq: int, limit: int
+    ) -> list[tuple[int, bytes]]:
+        """Up to ``limit`` (seq, data) of one file, from ``first_seq`` on, in order."""
+
+    async def stored_file_sizes(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(adapter, file) -> (chunks, bytes) of every file whose bytes the store holds."""
+
+    async def adopt_chunks(self, staged: str, adapter: str) -> None: ...
+    async def delete_chunks(self, adapter: str) -> None: ...
+    async def delete_unlisted_chunks(self) -> int: ...
 
     async def add_usage(self, records: Sequence[UsageRecord]) -> None:
         """Appends these records in one transaction: one fsync for a whole batch."""
@@ -218,8 +233,28 @@ class SqlStore:
     async def list_adapters(self) -> list[AdapterRow]:
         return await self._read(ops.list_adapters)
 
-    async def finish_job(self, job: JobRow, adapter: AdapterRow) -> None:
-        await self._write(ops.finish_job, job, adapter)
+    async def finish_job(self, job: JobRow, adapter: AdapterRow, staged: str = "") -> None:
+        await self._write(ops.finish_job, job, adapter, staged)
+
+    async def put_chunks(self, adapter: str, file: str, first_seq: int, chunks: Sequence[bytes]) -> None:
+        await self._write(ops.put_chunks, adapter, file, first_seq, list(chunks))
+
+    async def read_chunks(
+        self, adapter: str, file: str, first_seq: int, limit: int
+    ) -> list[tuple[int, bytes]]:
+        return await self._read(ops.read_chunks, adapter, file, first_seq, limit)
+
+    async def stored_file_sizes(self) -> dict[tuple[str, str], tuple[int, int]]:
+        return await self._read(ops.stored_file_sizes)
+
+    async def adopt_chunks(self, staged: str, adapter: str) -> None:
+        await self._write(ops.adopt_chunks, staged, adapter)
+
+    async def delete_chunks(self, adapter: str) -> None:
+        await self._write(ops.delete_chunks, adapter)
+
+    async def delete_unlisted_chunks(self) -> int:
+        return await self._write(ops.delete_unlisted_chunks)
 
     async def add_usage(self, records: Sequence[UsageRecord]) -> None:
         await self._write(ops.add_usage, list(records))

@@ -11,9 +11,11 @@ import trio
 COPY_HELP = """\
 Copies every table of this server's store (the one its --config names: SQLite in
 data_dir by default) into the PostgreSQL database --to names: catalog, tenants, key
-digests, usage, jobs, adapters, nodes and the secret engine keys are derived from
-(so engines started before the move still accept the gateway's keys). Each table is
-then read back from both and its row count and checksum compared.
+digests, usage, jobs, adapters and their files' bytes, nodes and the secret engine
+keys are derived from (so engines started before the move still accept the gateway's
+keys). Each table is then read back from both and its row count and checksum compared.
+An adapter whose files are only in data_dir/adapters (kept by an older llmgw) is first
+put into the source store, its files checked against their sha256.
 
 Stop the server first: rows it writes during the copy fail the verification.
 
@@ -92,6 +94,10 @@ async def _copy(config, args: argparse.Namespace) -> int:
 
     source = await open_store(config.data_dir, config.store, read_password(config.store_password_file))
     try:
+        # Adapters kept before the store held their files' bytes: into the source first, so
+        # that they are copied and checksummed like every other row.
+        for problem in await _adapters_into_source(source, config.data_dir):
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
         target = await open_store(
             config.data_dir, url, read_password(args.to_password_file, TARGET_PASSWORD_ENV)
         )
@@ -106,3 +112,16 @@ async def _copy(config, args: argparse.Namespace) -> int:
         print(f"{table.table:16} {table.rows:>10} rows  sha256-sum {table.checksum[:16]}")
     print(f"verified: {len(copied)} tables, {sum(t.rows for t in copied)} rows, counts and checksums equal")
     return 0
+
+
+async def _adapters_into_source(source, data_dir: Path) -> list[str]:
+    import json
+
+    from llmgw.core.training import FileDigest
+    from llmgw.server.store import adapter_files
+
+    adapters = [
+        (row.name, tuple(FileDigest(**f) for f in json.loads(row.files)))
+        for row in await source.list_adapters()
+    ]
+    return await adapter_files.reconcile(source, data_dir / "adapters", adapters, write_files=False)

@@ -17,7 +17,8 @@ import attrs
 from llmgw.server.store.base import Store, StoreError
 from llmgw.server.store.rows import TABLES, Table
 
-# Rows per read and per write transaction: a big usage table moves in short transactions.
+# Rows per read and per write transaction (Table.page_rows): a big usage table moves in short
+# transactions, the adapters' chunks a few megabytes at a time.
 PAGE_ROWS = 5_000
 _MOD = 1 << 256
 
@@ -60,7 +61,7 @@ def row_digest(row: tuple) -> int:
 async def _pages(store: Store, table: Table):
     after = None
     while True:
-        rows = await store.export_rows(table.name, after, PAGE_ROWS)
+        rows = await store.export_rows(table.name, after, min(PAGE_ROWS, table.page_rows))
         if not rows:
             return
         yield rows

@@ -208,9 +208,53 @@ def list_adapters(tx: Tx) -> list[AdapterRow]:
     return sorted(rows, key=lambda row: row.name)
 
 
-def finish_job(tx: Tx, job: JobRow, adapter: AdapterRow) -> None:
+def finish_job(tx: Tx, job: JobRow, adapter: AdapterRow, staged: str = "") -> None:
     tx.execute(f"INSERT INTO adapters ({_cols(AdapterRow)}) VALUES ({_marks(6)})", attrs.astuple(adapter))
+    if staged:
+        adopt_chunks(tx, staged, adapter.name)
     save_jobs(tx, [job])
+
+
+def put_chunks(tx: Tx, adapter: str, file: str, first_seq: int, chunks: Sequence[bytes]) -> None:
+    tx.executemany(
+        "INSERT INTO adapter_chunks (adapter, file, seq, data) VALUES (?, ?, ?, ?)",
+        [(adapter, file, first_seq + i, bytes(data)) for i, data in enumerate(chunks)],
+    )
+
+
+def read_chunks(tx: Tx, adapter: str, file: str, first_seq: int, limit: int) -> list[tuple[int, bytes]]:
+    rows = tx.execute(
+        "SELECT seq, data FROM adapter_chunks WHERE adapter = ? AND file = ? AND seq >= ? "
+        "ORDER BY seq LIMIT ?",
+        (adapter, file, first_seq, limit),
+    )
+    return [(int(seq), bytes(data)) for seq, data in rows]
+
+
+def stored_file_sizes(tx: Tx) -> dict[tuple[str, str], tuple[int, int]]:
+    """(adapter, file) -> (chunks, bytes) of every file the store holds bytes of."""
+    rows = tx.execute(
+        "SELECT adapter, file, count(*), sum(length(data)) FROM adapter_chunks GROUP BY adapter, file"
+    )
+    return {(adapter, file): (int(n), int(size)) for adapter, file, n, size in rows}
+
+
+def adopt_chunks(tx: Tx, staged: str, adapter: str) -> None:
+    """The chunks staged under ``staged`` become ``adapter``'s, replacing any it had."""
+    tx.execute("DELETE FROM adapter_chunks WHERE adapter = ?", (adapter,))
+    tx.execute("UPDATE adapter_chunks SET adapter = ? WHERE adapter = ?", (adapter, staged))
+
+
+def delete_chunks(tx: Tx, adapter: str) -> None:
+    tx.execute("DELETE FROM adapter_chunks WHERE adapter = ?", (adapter,))
+
+
+def delete_unlisted_chunks(tx: Tx) -> int:
+    """Removes chunks no adapter row names (staged by a job that never finished); how many."""
+    rows = tx.execute(
+        "DELETE FROM adapter_chunks WHERE adapter NOT IN (SELECT name FROM adapters) RETURNING seq"
+    )
+    return len(rows)
 
 
 # --- usage ------------------------------------------------------------------------------------

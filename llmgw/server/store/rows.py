@@ -91,6 +91,16 @@ class AdapterRow:
 
 
 @attrs.frozen
+class AdapterChunk:
+    """One piece of a stored adapter's file: its bytes from ``seq`` times the chunk size on."""
+
+    adapter: str  # the adapter's name, or '.incoming/<job>' while a job's files are staged
+    file: str
+    seq: int
+    data: bytes
+
+
+@attrs.frozen
 class JournalOffset:
     """How far one segment file of a gateway worker's usage journal has been shipped."""
 
@@ -107,6 +117,8 @@ class Table:
     name: str
     columns: tuple[str, ...]
     key: tuple[str, ...]  # the primary key: the order a copy reads and checksums rows in
+    # Rows a copy reads and writes at a time: a page of adapter chunks is megabytes per row.
+    page_rows: int = 5_000
 
 
 # Every table, in an order that satisfies the foreign keys (tenants before api_keys): what
@@ -120,6 +132,7 @@ TABLES: tuple[Table, ...] = (
     Table("usage", ("id", *attrs.fields_dict(UsageRecord)), ("id",)),
     Table("jobs", tuple(attrs.fields_dict(JobRow)), ("id",)),
     Table("adapters", tuple(attrs.fields_dict(AdapterRow)), ("name",)),
+    Table("adapter_chunks", tuple(attrs.fields_dict(AdapterChunk)), ("adapter", "file", "seq"), page_rows=8),
     Table("journal_offsets", tuple(attrs.fields_dict(JournalOffset)), ("file",)),
 )
 TABLES_BY_NAME = {table.name: table for table in TABLES}

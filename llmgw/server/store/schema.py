@@ -172,6 +172,22 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE servers ADD COLUMN load TEXT NOT NULL DEFAULT '{}';
         """,
     ),
+    (
+        9,
+        """
+        -- The bytes of the adapters' files, cut in chunks (store/adapter_files.py): the store,
+        -- not one server's data_dir, is where an adapter is kept, so a copy of the store moves
+        -- it and a server with an empty data_dir can still deliver it. A job's files are staged
+        -- under '.incoming/<job>' and renamed to the adapter's name with its row.
+        CREATE TABLE adapter_chunks (
+            adapter TEXT NOT NULL,
+            file TEXT NOT NULL,
+            seq {int} NOT NULL,  -- 0, 1, ...: the chunk's place in the file
+            data {blob} NOT NULL,
+            PRIMARY KEY (adapter, file, seq)
+        ){strict};
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
