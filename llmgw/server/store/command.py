@@ -72,6 +72,7 @@ async def _copy(config, args: argparse.Namespace) -> int:
     from llmgw.server.store import StoreError, open_store, read_password
     from llmgw.server.store.copy import PAGE_ROWS, copy_store
     from llmgw.server.store.postgres import describe, has_password
+    from llmgw.server.store.rows import TABLES_BY_NAME
     from llmgw.server.store.sqlite import DB_FILENAME
 
     url = args.to
@@ -89,7 +90,11 @@ async def _copy(config, args: argparse.Namespace) -> int:
         raise StoreError(f"--to {target_where} is the store the config already uses")
 
     def progress(table: str, done: int, total: int) -> None:
-        if total > PAGE_ROWS:  # small tables go by too fast to be worth a line
+        # A line per page of a table of several (small ones go by too fast to be worth one),
+        # about 20 in all for a big one: the adapters' chunks move 8 MiB a page.
+        page = min(PAGE_ROWS, TABLES_BY_NAME[table].page_rows)
+        every = max(1, total // page // 20)
+        if total > page and (done == total or (done // page) % every == 0):
             print(f"  {table}: {done}/{total} rows", file=sys.stderr, flush=True)
 
     source = await open_store(config.data_dir, config.store, read_password(config.store_password_file))
