@@ -93,8 +93,8 @@ class AdapterCache:
     # --- receiving (the link) ----------------------------------------------------------------
 
     async def put(self, name: str, files: tuple[FileDigest, ...]) -> tuple[bool, str]:
-        """PutAdapter: (True, "present") or (True, "send"); (False, why) for a manifest that
-        cannot be received."""
+        """PutAdapter: (True, "present <where the copy is>") or (True, "send"); (False, why) for
+        a manifest that cannot be received."""
         problems = [] if ADAPTER_NAME.fullmatch(name) else [f"name: {name!r} is not an adapter name"]
         try:
             reassembly = Reassembly(files)
@@ -105,7 +105,7 @@ class AdapterCache:
         await self._drop(name)
         target = self.directory(name, files)
         if await trio.to_thread.run_sync(_holds, target, files):
-            return True, "present"
+            return True, f"present {target}"
         incoming = _Incoming(
             name=name, files=files, directory=self.incoming_root / target.name, reassembly=reassembly
         )

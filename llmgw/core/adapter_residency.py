@@ -122,6 +122,10 @@ class Residency:
         held.resident = {name: held.resident.get(name, now) for name in sorted(names)}
         held.known = True
 
+    def replicas(self) -> list[str]:
+        """The replicas followed, known or not."""
+        return sorted(self._replicas)
+
     def holders(self, adapter: str) -> list[str]:
         """The replicas that hold ``adapter`` and may be sent its requests."""
         return sorted(r for r, held in self._replicas.items() if adapter in held.resident)

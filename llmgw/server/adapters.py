@@ -4,10 +4,11 @@ A profile may name an adapter the server keeps (``source``); its engine loads it
 files on its node. Before the StartShard, the replica manager has the node get them:
 
 1. PutAdapter (the manifest: each file's name, size and sha256). The agent answers "present"
-   when its copy holds exactly those files (then nothing else is sent), or "send".
+   and where its copy is when it holds exactly those files (then nothing else is sent), or "send".
 2. AdapterPiece messages, each file in order, cut as a job's upload is
    (:mod:`llmgw.wire.pieces`); the link's flow control paces them to the agent's disk.
-3. AdapterDone, answered ok only once every file verified and the copy is in place.
+3. AdapterDone, answered ok (with where the copy is) only once every file verified and the copy
+   is in place.
 
 All three on one session: pieces sent on a newer link would continue nothing there, so a link
 that ends midway fails the delivery (and with it the start, which the reconciler retries).
@@ -62,26 +63,28 @@ class AdapterDelivery:
         self._locks: dict[tuple[str, str], trio.Lock] = {}
         self.sent = 0  # deliveries that sent files (not "present"): tests, logs
 
-    async def ensure(self, node: str, name: str, files: tuple[FileDigest, ...]) -> None:
-        """Returns once ``node`` holds stored adapter ``name``'s ``files``; raises DeliveryFailed.
-        Bound it with the caller's deadline (see :func:`delivery_timeout`)."""
+    async def ensure(self, node: str, name: str, files: tuple[FileDigest, ...]) -> str:
+        """Returns once ``node`` holds stored adapter ``name``'s ``files``: the copy's directory
+        on the node ('' from an agent that does not say); raises DeliveryFailed. Bound it with
+        the caller's deadline (see :func:`delivery_timeout`)."""
         key = (node, name)
         lock = self._locks.setdefault(key, trio.Lock())
         try:
             async with lock:
-                await self._deliver(node, name, files)
+                return await self._deliver(node, name, files)
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._locks.pop(key, None)
 
-    async def _deliver(self, node: str, name: str, files: tuple[FileDigest, ...]) -> None:
+    async def _deliver(self, node: str, name: str, files: tuple[FileDigest, ...]) -> str:
         session = self._session_of(node)
         if session is None:
             raise DeliveryFailed(f"adapter {name}: node {node} is not connected")
         try:
             reply = await _command(session, node, PutAdapter(id=0, name=name, files=files))
-            if reply == "present":
-                return
+            word, _, where = reply.partition(" ")
+            if word == "present":
+                return where
             log.info(
                 "adapter %s: sending %s to node %s",
                 name,
@@ -90,13 +93,14 @@ class AdapterDelivery:
             )
             for digest in files:
                 await self._send_file(session, name, digest)
-            await _command(session, node, AdapterDone(id=0, name=name))
+            where = await _command(session, node, AdapterDone(id=0, name=name))
         except LinkClosed as e:
             raise DeliveryFailed(
                 f"adapter {name}: the link to node {node} ended during delivery: {e}"
             ) from None
         self.sent += 1
         log.info("adapter %s: node %s holds it", name, node)
+        return where
 
     async def _send_file(self, session: Session, name: str, digest: FileDigest) -> None:
         path = self._file_of(name, digest.name)

@@ -24,7 +24,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -133,6 +133,7 @@ class ControlPlaneGate:
         quotas: QuotaCounter | None = None,
         tenant_weight: Callable[[str, int, str], float] | None = None,
         share: Callable[[Limits], Limits] | None = None,
+        adapter_loader: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self._keys = keys
         # This server's part of each limit, when servers sharing a store split the quotas
@@ -151,6 +152,13 @@ class ControlPlaneGate:
         # the tenant's waiters over all workers (core.leases). None: every tenant weighs 1.
         self._tenant_weight = tenant_weight
         self._lanes: dict[str, _Lane] = {}
+        # (model, adapter) -> returns once a replica holds the adapter (adapters loaded on
+        # demand), raising GatewayError when it cannot be loaded; None: nothing loads them.
+        self.adapter_loader = adapter_loader
+        self._adapter_in_flight: dict[tuple[str, str], int] = {}  # (replica, adapter) -> requests
+        self.on_adapter_done: Callable[[], None] | None = None  # a request naming an adapter ended
+        self._adapter_waiting: dict[str, int] = {}  # adapter -> requests waiting in its lane
+        self._watched: dict[tuple[str, str], set[trio.CancelScope]] = {}  # see _admission
         self._ids = itertools.count()
         self._started: float | None = None  # when the scaler first asked (idle since then at most)
 
@@ -215,7 +223,7 @@ class ControlPlaneGate:
         if traced:
             waited = tracing.start("gateway.admission", {"llmgw.model": model, "llmgw.band": caller.band})
         try:
-            ticket.replica, ticket.upstreams, outcome = await self._wait_for_room(
+            ticket.replica, ticket.upstreams, outcome = await self._admission(
                 caller, model, payload, now, adapter
             )
         except BaseException as error:
@@ -229,11 +237,77 @@ class ControlPlaneGate:
             waited.set_attribute("llmgw.route.replica", ticket.replica)
             waited.set_attribute("llmgw.route.outcome", outcome)
             tracing.end(waited)
+        if adapter is not None:
+            key = (ticket.replica, adapter)
+            self._adapter_in_flight[key] = self._adapter_in_flight.get(key, 0) + 1
         return ticket
+
+    async def _admission(
+        self, caller: CallerKey, model: str, payload: dict, now: float, adapter: str | None
+    ) -> tuple[str, tuple[Upstream, ...], str]:
+        """The request's place in its lane, as _wait_for_room; for an adapter loaded on demand,
+        first its load when no holder has room, and again should it leave every replica while
+        the request waits (made room for another: a waiter it was not told of yet)."""
+        while True:
+            routes = self._router.routes(model)
+            on_demand = adapter is not None and routes is not None and routes.loads_adapters
+            if not on_demand or self.adapter_loader is None:
+                return await self._wait_for_room(caller, model, payload, now, adapter)
+            assert adapter is not None
+            if not self._holder_has_room(model, routes, adapter):
+                await self.adapter_loader(model, adapter)
+            self._adapter_waiting[adapter] = self._adapter_waiting.get(adapter, 0) + 1
+            watch = trio.CancelScope()
+            watched = self._watched.setdefault((model, adapter), set())
+            watched.add(watch)
+            try:
+                with watch:
+                    return await self._wait_for_room(caller, model, payload, trio.current_time(), adapter)
+            finally:
+                watched.discard(watch)
+                if not watched:
+                    del self._watched[(model, adapter)]
+                self._adapter_waiting[adapter] -= 1
+                if not self._adapter_waiting[adapter]:
+                    del self._adapter_waiting[adapter]
+            # Only here when the watch was cancelled: no replica holds the adapter now.
+
+    def _unheld_adapters(self) -> None:
+        """Waiters whose adapter no replica holds any more (see _admission) go back to ask."""
+        for (model, adapter), watches in list(self._watched.items()):
+            routes = self._router.routes(model)
+            if routes is None or not any(adapter in route.adapters for route in routes.replicas):
+                for watch in watches:
+                    watch.cancel()
+
+    def _holder_has_room(self, model: str, routes: Routes, adapter: str) -> bool:
+        lane = self._lanes.get(model)
+        in_flight = lane.admission.in_flight if lane is not None else {}
+        return any(
+            adapter in route.adapters and in_flight.get(route.replica, 0) < route.slots
+            for route in routes.replicas
+        )
+
+    def adapters_in_flight(self) -> dict[tuple[str, str], int]:
+        """Requests in flight per (replica, adapter), those with any: no adapter in use is unloaded."""
+        return dict(self._adapter_in_flight)
+
+    def adapters_waiting(self) -> dict[str, int]:
+        """Requests naming an adapter that wait for a replica, per adapter (those with any)."""
+        return dict(self._adapter_waiting)
 
     def finish(self, ticket: Ticket, record: RequestRecord) -> None:
         lane = self._lanes[ticket.model]
         lane.admission.release(ticket.replica)
+        if ticket.adapter is not None:
+            key = (ticket.replica, ticket.adapter)
+            left = self._adapter_in_flight.get(key, 0) - 1
+            if left > 0:
+                self._adapter_in_flight[key] = left
+            else:
+                self._adapter_in_flight.pop(key, None)
+            if self.on_adapter_done is not None:
+                self.on_adapter_done()
         lane.last_busy = trio.current_time()
         if record.usage is not None:
             self._quotas.settle(ticket.reservation, record.usage.total_tokens)
@@ -300,6 +374,8 @@ class ControlPlaneGate:
 
     def redispatch(self) -> None:
         """Room may have changed (a replica became Ready, or went): let waiters through."""
+        if self._watched:
+            self._unheld_adapters()
         now = trio.current_time()
         for model in self._lanes:
             self._dispatch(model, now)

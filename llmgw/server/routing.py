@@ -77,6 +77,9 @@ class Routes:
     load_factor: float = DEFAULT_LOAD_FACTOR
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     replicas: tuple[Route, ...] = ()
+    # Its adapters are loaded on demand (max_loaded_adapters): each route's adapters are those
+    # its engine holds now, and a request for another asks the gate's adapter loader first.
+    loads_adapters: bool = False
 
 
 class ReplicaRouter:
@@ -91,6 +94,8 @@ class ReplicaRouter:
         self._replicas = replicas
         self._registry = registry
         self._load = load  # a replica's engine load as last scraped, None when unknown
+        # For an on-demand profile's replica, the adapters its engine holds now (AdapterLoads).
+        self.held: Callable[[str], Sequence[str]] | None = None
         self._routes: dict[str, Routes | None] = {}
         self._models: list[str] | None = None
         self._parents: dict[str, str] = {}  # adapter name -> its base model
@@ -148,6 +153,8 @@ class ReplicaRouter:
             load = self._load(record.id) if self._load is not None else None
             upstream = Upstream(host=host, port=leader.port, engine_key=key, replica=record.id)
             names = [a.name for a in profile.adapters] if profile is not None else []
+            if profile is not None and profile.max_loaded_adapters:
+                names = list(self.held(record.id)) if self.held is not None else []
             adapters: dict[str, Upstream] = {}
             if profile is not None:
                 upstream, adapters = adapter_upstreams(profile.engine, names, upstream)
@@ -161,6 +168,7 @@ class ReplicaRouter:
             load_factor=first.routing_load_factor,
             prefix_chars=first.routing_prefix_chars,
             replicas=tuple(routes),
+            loads_adapters=any(p.max_loaded_adapters for p in serving),
         )
 
     def _warn_if_mixed(self, model: str, serving: list[Profile]) -> None:

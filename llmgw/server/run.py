@@ -34,6 +34,7 @@ from llmgw.core.shared_load import GatewayLoad
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.server import tokens
+from llmgw.server.adapter_loads import AdapterLoads
 from llmgw.server.adapters import AdapterDelivery
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
@@ -138,7 +139,20 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         scraper: EngineScraper | None = None
         router: ReplicaRouter | None = None
 
+        loads: AdapterLoads | None = None
+
         def routes_changed() -> None:
+            if loads is not None:
+                loads.sync()
+            if router is not None:
+                router.refresh()
+            if pool is not None:
+                pool.routes_changed.bump()
+            elif gate is not None:
+                gate.redispatch()
+
+        def routes_changed_only() -> None:
+            # What a replica holds changed (not the replicas): the routes again, no resync.
             if router is not None:
                 router.refresh()
             if pool is not None:
@@ -192,6 +206,22 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             on_waiting=lambda _model: replicas.kick(),
             share=quota_share,
         )
+        # Adapters loaded on demand: decided and carried out here, for every gateway.
+        loads = AdapterLoads(
+            catalog,
+            replicas,
+            registry,
+            # With workers, theirs as they last reported them; else this process's gate's.
+            in_flight=lambda: (pool or gate).adapters_in_flight(),
+            waiting=lambda: (pool or gate).adapters_waiting(),
+            replica_in_flight=lambda model: (pool or gate).in_flight(model),
+            on_change=routes_changed_only,
+        )
+        loads.delivery = delivery
+        loads.stored_adapters = stored_adapters
+        router.held = loads.held
+        gate.adapter_loader = loads.need
+        gate.on_adapter_done = loads.request_ended
         # llama.cpp has no KV gauge: its saturation is running / the profile's slots, when set.
         scraper = EngineScraper(
             replicas,
@@ -225,8 +255,11 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 lease_ttl=config.gateway.lease_ttl,
                 tenant_metrics=config.gateway.tenant_metrics,
             )
+            pool.need_adapter = loads.need
+            loads.quiesce = pool.quiesce
         front = pool or gate  # who holds the queues the scaler and the admin API read
         async with trio.open_nursery() as nursery:
+            loads.attach(nursery)
             # Before the link listens: a registering agent's jobs are re-attached by it.
             if not shared:
                 await nursery.start(jobs.run)

@@ -18,6 +18,7 @@ journal's segments and ``<id>.log``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from llmgw.core.leases import Waiting as LeaseWaiting
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.contract import RequestRecord, Upstream
+from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.metrics import GatewayMetrics, traffic_totals
 from llmgw.procfs import start_time_of
 from llmgw.server.gate import ControlPlaneGate
@@ -48,8 +50,10 @@ from llmgw.server.worker_link import (
     LEASE_TICK,
     LINK_ERRORS,
     REPORT_INTERVAL,
+    AdapterAnswer,
     Keys,
     LineStream,
+    NeedAdapter,
     Report,
     Routes,
     Waiting,
@@ -57,6 +61,10 @@ from llmgw.server.worker_link import (
 from llmgw.server.worker_metrics import WRITE_INTERVAL, SharedExposition, WorkerInfo
 
 log = logging.getLogger(__name__)
+
+# How long a request waits for the control plane to have its adapter loaded: the server's own
+# bound (server.adapter_loads.LOAD_TIMEOUT), and a little for the answer to travel.
+ADAPTER_ANSWER_TIMEOUT = 65.0
 
 
 @attrs.frozen
@@ -126,6 +134,8 @@ class PushedState:
         self._ttft: dict[str, float] = {}
         self.have_keys = False
         self.have_routes = False
+        self.routes_version = 0  # the pushed Routes' version
+        self.routes_taken = trio.Event()  # set (and replaced) as each Routes is taken
 
     def fresh(self) -> bool:
         """Ready to serve: it has had both halves of the state at least once (and its shares,
@@ -151,6 +161,9 @@ class PushedState:
     def take_routes(self, routes: Routes) -> None:
         self._pushed = routes
         self.rebuild()
+        self.routes_version = routes.version
+        self.routes_taken.set()
+        self.routes_taken = trio.Event()
 
     def rebuild(self) -> None:
         """The routes again, with each replica's slots as this worker holds them now."""
@@ -189,6 +202,7 @@ class PushedState:
                 load_factor=model.load_factor,
                 prefix_chars=model.prefix_chars,
                 replicas=tuple(replicas),
+                loads_adapters=model.loads_adapters,
             )
         self._routes = built
         self._parents = {name: model.model for model in routes.models for name in model.adapters}
@@ -267,9 +281,14 @@ class Worker:
         self.gate.observer = self.metrics
         self.shared_metrics = SharedExposition(self.metrics, spec.dir, spec.id, self._info)
         self.metrics.answer_with(self.shared_metrics.exposition)
+        self.gate.adapter_loader = self._need_adapter
         self._control: trio.CancelScope | None = None
         self._serveable = trio.Event()  # set once the state is fresh: it then takes connections
         self._reported_waiting: Mapping[tuple[str, int, str], int] = {}  # as the last lease report said
+        self._link: LineStream | None = None  # the control plane's, while one is connected
+        self._asks = itertools.count(1)
+        self._answers: dict[int, tuple[trio.Event, list[AdapterAnswer]]] = {}
+        self._report_now = trio.Event()
 
     def _info(self) -> WorkerInfo:
         now = trio.current_time()
@@ -337,7 +356,7 @@ class Worker:
             self._control.cancel()
         with trio.CancelScope() as scope:
             self._control = scope
-            link = LineStream(stream)
+            link = self._link = LineStream(stream)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._report, link)
@@ -348,6 +367,14 @@ class Worker:
                         elif isinstance(message, Routes):
                             self.state.take_routes(message)
                             self.gate.redispatch()
+                            # At once: the control plane may wait to hear this version taken
+                            # before it unloads an adapter these routes no longer offer.
+                            self._report_now.set()
+                        elif isinstance(message, AdapterAnswer):
+                            waiting = self._answers.get(message.ask)
+                            if waiting is not None:
+                                waiting[1].append(message)
+                                waiting[0].set()
                         elif isinstance(message, LeaseGrant) and self.leases is not None:
                             self.leases.apply(message, trio.current_time())
                             self.state.rebuild()  # slots may have moved
@@ -361,8 +388,42 @@ class Worker:
                 # next control plane connection pushes the state afresh.
                 log.exception("control plane message not applied; link closed")
             finally:
+                if self._link is link:
+                    self._link = None
                 with trio.CancelScope(shield=True):
                     await link.aclose()
+
+    async def _need_adapter(self, model: str, adapter: str) -> None:
+        """The gate's adapter loader: the control plane decides and loads (once, for every
+        worker); this waits for its answer, then for routes that show the adapter."""
+        link = self._link
+        if link is None:
+            raise GatewayError(
+                503,
+                f"Adapter '{adapter}' is not loaded, and the control plane that loads it is not connected",
+                code="adapter_unavailable",
+            )
+        ask = next(self._asks)
+        answered = self._answers[ask] = (trio.Event(), [])
+        try:
+            with trio.move_on_after(ADAPTER_ANSWER_TIMEOUT) as waited:
+                await link.send(NeedAdapter(ask=ask, model=model, adapter=adapter))
+                await answered[0].wait()
+                answer = answered[1][0]
+                if answer.status != 200:
+                    raise GatewayError(
+                        answer.status, answer.message, code=answer.code or "adapter_load_failed"
+                    )
+                while self.state.routes_version < answer.routes_version:
+                    await self.state.routes_taken.wait()
+        finally:
+            del self._answers[ask]
+        if waited.cancelled_caught:
+            raise GatewayError(
+                503,
+                f"Adapter '{adapter}' was not loaded within {ADAPTER_ANSWER_TIMEOUT:g} s",
+                code="adapter_load_timeout",
+            )
 
     async def _report(self, link: LineStream) -> None:
         async with trio.open_nursery() as nursery:
@@ -382,7 +443,11 @@ class Worker:
                         await link.send(self._lease_report(now, waiting))
                         self._reported_waiting = waiting
                         next_lease = now + RENEW_INTERVAL
-                await trio.sleep(LEASE_TICK if self.leases is not None else REPORT_INTERVAL)
+                with trio.move_on_after(LEASE_TICK if self.leases is not None else REPORT_INTERVAL):
+                    await self._report_now.wait()
+                if self._report_now.is_set():
+                    self._report_now = trio.Event()
+                    next_report = trio.current_time()
 
     def _lease_report(self, now: float, waiting: Mapping[tuple[str, int, str], int]) -> LeaseReport:
         assert self.leases is not None
@@ -419,6 +484,11 @@ class Worker:
                 for band, n in bands.items()
             ),
             idle_for=tuple((model, self.gate.idle_for(model)) for model in models),
+            routes_version=self.state.routes_version,
+            adapters_in_flight=tuple(
+                (r, a, n) for (r, a), n in sorted(self.gate.adapters_in_flight().items())
+            ),
+            adapters_waiting=tuple(sorted(self.gate.adapters_waiting().items())),
         )
 
 

@@ -100,12 +100,18 @@ class PushedModel:
     prefix_chars: int
     replicas: tuple[PushedReplica, ...] = ()
     adapters: tuple[str, ...] = ()  # served under their own names, this model their base
+    # Its adapters are loaded on demand: a replica's adapters are those its engine holds now, and
+    # a request for another is asked of the control plane (NeedAdapter) before it queues.
+    loads_adapters: bool = False
 
 
 @frozen
 class Routes:
     models: tuple[PushedModel, ...]  # every served model, Ready replicas or not
     ttft_targets: tuple[tuple[str, float], ...] = ()  # per model, where a profile sets one
+    # The control plane's count of route changes when it built these: an AdapterAnswer names the
+    # version a worker must have taken before the adapter it asked for shows in its routes.
+    version: int = 0
 
 
 @frozen
@@ -121,6 +127,11 @@ class Report:
     in_flight: tuple[tuple[str, str, int], ...] = ()  # (model, replica, requests)
     queued: tuple[tuple[str, int, int], ...] = ()  # (model, band, requests)
     idle_for: tuple[tuple[str, float], ...] = ()  # (model, seconds with nothing in flight or queued)
+    routes_version: int = 0  # the Routes.version it serves by
+    # Requests naming an adapter: in flight (replica, adapter, n), and waiting (adapter, n). No
+    # adapter with either is unloaded.
+    adapters_in_flight: tuple[tuple[str, str, int], ...] = ()
+    adapters_waiting: tuple[tuple[str, int], ...] = ()
 
 
 @frozen
@@ -128,10 +139,33 @@ class Waiting:
     model: str
 
 
+@frozen
+class NeedAdapter:
+    """Worker to control plane: a request names ``adapter`` of ``model``, and no replica with
+    room holds it. Answered by an AdapterAnswer with the same ``ask``."""
+
+    ask: int
+    model: str
+    adapter: str
+
+
+@frozen
+class AdapterAnswer:
+    """Go on (status 200) once routes of ``routes_version`` or later are taken; else the error
+    the request is answered with (the engine's reason for a failed load, a timeout)."""
+
+    ask: int
+    status: int = 200
+    message: str = ""
+    code: str = ""
+    routes_version: int = 0
+
+
 # Leases (several workers): a worker's LeaseReport each RENEW_INTERVAL, the ledger's LeaseGrant back.
-Message = Keys | Routes | Report | Waiting | LeaseReport | LeaseGrant
+Message = Keys | Routes | Report | Waiting | LeaseReport | LeaseGrant | NeedAdapter | AdapterAnswer
 _TYPES: dict[str, type] = {
-    cls.__name__: cls for cls in (Keys, Routes, Report, Waiting, LeaseReport, LeaseGrant)
+    cls.__name__: cls
+    for cls in (Keys, Routes, Report, Waiting, LeaseReport, LeaseGrant, NeedAdapter, AdapterAnswer)
 }
 _converter = cattrs.Converter(forbid_extra_keys=False)
 

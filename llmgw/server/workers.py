@@ -23,7 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import attrs
@@ -34,14 +34,17 @@ from llmgw.config import TracingConfig
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.leases import LEASE_TTL, LeaseLedger, LeaseReport
 from llmgw.core.quota import Limits
+from llmgw.gateway.errors import GatewayError
 from llmgw.procfs import start_time_of
 from llmgw.server.changes import Changes
 from llmgw.server.worker import WorkerSpec, load_spec, spec_path
 from llmgw.server.worker_link import (
     LINK_ERRORS,
+    AdapterAnswer,
     Keys,
     LineStream,
     LinkLost,
+    NeedAdapter,
     PushedKey,
     PushedLimits,
     PushedModel,
@@ -61,6 +64,9 @@ REPORT_STALE = 5.0
 # SIGTERM, then SIGKILL after this long, when the server stops its workers.
 STOP_GRACE = 10.0
 RESTART_INITIAL, RESTART_MAX = 0.5, 30.0
+# How long an adapter's unload waits for every worker to stop sending it requests: a worker
+# reports at once when it takes new routes, so this only runs out on one that is stuck.
+QUIESCE_TIMEOUT = 10.0
 
 
 def worker_command(spec_file: Path) -> list[str]:
@@ -129,6 +135,9 @@ class WorkerPool:
         self._stop_on_exit = stop_on_exit
         self.keys_changed = keys_changed  # the tenants' own: keys and limits changed
         self.routes_changed = Changes()  # bumped by the server when its routes change
+        # A worker's NeedAdapter: the server's adapter loads (AdapterLoads.need), once for all.
+        self.need_adapter: Callable[[str, str], Awaitable[None]] | None = None
+        self._reported = trio.Event()  # set (and replaced) at each worker's report
         self._workers: dict[str, _Worker] = {}
         self._reserved: socket.socket | None = None
         # Several workers share each quota and each replica's slots by leases (core.leases).
@@ -193,6 +202,42 @@ class WorkerPool:
                 if m == model:
                     counts[replica] = counts.get(replica, 0) + n
         return counts
+
+    def adapters_in_flight(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for report in self._fresh_reports():
+            for replica, adapter, n in report.adapters_in_flight:
+                counts[(replica, adapter)] = counts.get((replica, adapter), 0) + n
+        return counts
+
+    def adapters_waiting(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for report in self._fresh_reports():
+            for adapter, n in report.adapters_waiting:
+                counts[adapter] = counts.get(adapter, 0) + n
+        return counts
+
+    async def quiesce(self, replica: str, adapter: str) -> bool:
+        """Once every connected worker has reported serving by the routes of now or later and
+        has no request for ``adapter`` on ``replica``: True; False after QUIESCE_TIMEOUT. The
+        routes pushed now no longer offer it, so none starts one after that report."""
+        version = self.routes_changed.version
+        with trio.move_on_after(QUIESCE_TIMEOUT):
+            while True:
+                pending = [
+                    w
+                    for w in self._workers.values()
+                    if w.connected
+                    and (
+                        w.report is None
+                        or w.report.routes_version < version
+                        or any(r == replica and a == adapter and n for r, a, n in w.report.adapters_in_flight)
+                    )
+                ]
+                if not pending:
+                    return True
+                await self._reported.wait()
+        return False
 
     def _fresh_reports(self) -> list[Report]:
         now = trio.current_time()
@@ -335,7 +380,8 @@ class WorkerPool:
         return keys
 
     def _routes_now(self) -> Routes:
-        routes = self._routes()
+        version = self.routes_changed.version  # before building: what they include at least
+        routes = attrs.evolve(self._routes(), version=version)
         if self._ledger is not None:
             self._ledger.set_replicas(
                 {r.replica: (m.model, r.slots) for m in routes.models for r in m.replicas}
@@ -401,11 +447,15 @@ class WorkerPool:
                     message = await link.receive()
                     if isinstance(message, Report):
                         worker.report, worker.reported_at = message, trio.current_time()
+                        self._reported.set()
+                        self._reported = trio.Event()
                         if message.fresh:
                             worker.restarts = 0  # it serves: the next death starts the backoff afresh
                             worker.serving.set()
                     elif isinstance(message, Waiting):
                         self._on_waiting(message.model)
+                    elif isinstance(message, NeedAdapter):
+                        nursery.start_soon(self._answer_need, link, message)
                     elif isinstance(message, LeaseReport) and self._ledger is not None:
                         now = trio.current_time()
                         self._ledger.receive(message, now)
@@ -422,6 +472,21 @@ class WorkerPool:
             with trio.CancelScope(shield=True):
                 await link.aclose()
         raise LinkLost(str(lost))
+
+    async def _answer_need(self, link: LineStream, need: NeedAdapter) -> None:
+        answer = AdapterAnswer(ask=need.ask)
+        if self.need_adapter is None:
+            answer = AdapterAnswer(
+                ask=need.ask, status=503, message="this server loads no adapters", code="adapter_unavailable"
+            )
+        else:
+            try:
+                await self.need_adapter(need.model, need.adapter)
+            except GatewayError as e:
+                answer = AdapterAnswer(ask=need.ask, status=e.status, message=e.message, code=e.code)
+        # Read after the load: the routes that show it are of this version or later.
+        answer = attrs.evolve(answer, routes_version=self.routes_changed.version)
+        await link.send(answer)
 
     async def _push(
         self, link: LineStream, worker: _Worker, changes: Changes, build: Callable[[], Keys | Routes]
@@ -563,6 +628,7 @@ def routes_message(router, ttft_target: Callable[[str], float | None]) -> Routes
                     for route in routes.replicas
                 ),
                 adapters=tuple(name for name in router.models() if router.parent(name) == model),
+                loads_adapters=routes.loads_adapters,
             )
         )
         target = ttft_target(model)

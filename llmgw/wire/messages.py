@@ -199,8 +199,9 @@ class Goodbye:
 class PutAdapter:
     """Before a shard that serves a stored adapter starts: does the node hold these files?
 
-    The agent answers CommandResult ok with "present" when its copy holds exactly these files,
-    or "send": AdapterPiece messages follow (files in this order), then AdapterDone.
+    The agent answers CommandResult ok with "present <the copy's directory>" when its copy holds
+    exactly these files, or "send": AdapterPiece messages follow (files in this order), then
+    AdapterDone, answered with the copy's directory.
     """
 
     id: int

@@ -225,7 +225,7 @@ async def test_a_copy_is_received_verified_and_then_present(tmp_path: Path):
     assert stat.S_IMODE((target / "adapter.gguf").stat().st_mode) == 0o600
     assert stat.S_IMODE(cache.root.stat().st_mode) == 0o711
     assert list(cache.incoming_root.iterdir()) == []
-    assert await cache.put("qa", GGUF_MANIFEST) == (True, "present")
+    assert await cache.put("qa", GGUF_MANIFEST) == (True, f"present {target}")
     assert await cache.done("qa") == (False, "no adapter 'qa' is being received (PutAdapter first)")
 
     # A copy damaged since (truncated) is not present: it is sent again, and replaced whole.
