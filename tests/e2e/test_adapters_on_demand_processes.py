@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_adapter_delivery_processes import MODEL, keep_adapter
+from tests.e2e.test_simulated_gpus_processes import engine_ports as engine_port_range
 from tests.helpers import TESTS
 from tests.procs import Proc, Server, agent_config, kill_recorded_shards, llmgw_command, wait_until
 
@@ -116,7 +117,9 @@ def test_adapters_load_once_on_demand_fail_with_the_engines_reason_and_are_relea
     tmp_path: Path, engine: str, workers: int
 ):
     ports = {"link_port": free_port(), "admin_port": free_port(), "gateway_port": free_port()}
-    server = Server(tmp_path, heartbeat_interval=0.3, gateway={"workers": workers}, **ports)
+    # The default heartbeat: 50 concurrent clients on a loaded 2-core machine must not make the
+    # node look lost. Engine ports of its own: other runs' engines listen in the default range.
+    server = Server(tmp_path, gateway={"workers": workers}, reconcile=engine_port_range(), **ports)
     keep_adapter(server.data_dir, "qa")
     server.start()
     engines = {
@@ -144,7 +147,7 @@ def test_adapters_load_once_on_demand_fail_with_the_engines_reason_and_are_relea
         # 50 concurrent first requests for one cold adapter: one load, every request answered.
         with ThreadPoolExecutor(50) as pool:
             answers = list(pool.map(lambda _: complete(gateway, secret, "a0"), range(50)))
-        assert [status for status, _ in answers] == [200] * 50, answers[:3]
+        assert [status for status, _ in answers] == [200] * 50, [a for a in answers if a[0] != 200][:3]
         assert loads_of(engine_ports, "a0") == 1
 
         # Every adapter, several at a time, over 2 × 3 slots: loads and LRU unloads, never one
