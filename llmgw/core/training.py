@@ -139,6 +139,19 @@ class PairsError(ValueError):
         super().__init__(shown + more)
 
 
+def lora_rank(config: object) -> int | None:
+    """The highest rank in a peft ``adapter_config.json`` (decoded): its ``r``, or a larger one
+    its ``rank_pattern`` gives some modules; None when it says none."""
+    if not isinstance(config, dict):
+        return None
+    ranks = [config.get("r")]
+    pattern = config.get("rank_pattern")
+    if isinstance(pattern, dict):
+        ranks += list(pattern.values())
+    found = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool) and r > 0]
+    return max(found) if found else None
+
+
 def parse_pairs(text: str) -> tuple[QaPair, ...]:
     """One JSON object per line: {"question": "...", "answer": "..."}. Blank lines are skipped.
 

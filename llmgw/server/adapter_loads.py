@@ -29,6 +29,7 @@ from llmgw.core.adapter_residency import Await, Load, NoRoom, Queue, ReplicaView
 from llmgw.core.catalog import AdapterUnavailable, Profile, StoredAdapter, served_files
 from llmgw.core.engines import registry
 from llmgw.core.replica import ReplicaState
+from llmgw.core.training import lora_rank
 from llmgw.gateway import GatewayError, Upstream
 from llmgw.http_probe import ProbeFailed, http_get, http_post
 from llmgw.server.adapters import AdapterDelivery, DeliveryFailed, delivery_timeout
@@ -82,6 +83,8 @@ class AdapterLoads:
         # Stored adapters (a profile's `source`): their files reach the node before a load.
         self.delivery: AdapterDelivery | None = None
         self.stored_adapters: Callable[[], Mapping[str, StoredAdapter]] = dict
+        # A stored adapter's adapter_config.json, read from the server's copy (blocking).
+        self.adapter_config: Callable[[str], str] | None = None
         self._replica_in_flight = replica_in_flight  # model -> per replica
         self._on_change = on_change  # what replicas hold changed: routes again
         self._load_timeout = load_timeout
@@ -314,6 +317,30 @@ class AdapterLoads:
         if not directory:
             raise DeliveryFailed(f"node {node}'s agent does not say where its copy of {adapter.source} is")
         return registry.ENGINES[profile.engine].adapter_path(directory, files)
+
+    async def rank(self, profile_name: str) -> int | None:
+        """The highest LoRA rank among the stored adapters of ``profile_name``, from their
+        adapter_config.json as the server keeps it (the engine is started with room for it);
+        None when none says (adapters with a path on the nodes are not read from here)."""
+        profile = self.on_demand(profile_name)
+        if profile is None or self.adapter_config is None:
+            return None
+        ranks = []
+        for adapter in profile.adapters:
+            if not adapter.source:
+                continue
+            try:
+                text = await trio.to_thread.run_sync(self.adapter_config, adapter.source)
+                ranks.append(lora_rank(json.loads(text)))
+            except Exception as e:  # the store's NotFound too: the rank is then the default
+                log.warning(
+                    "profile %s: cannot read the rank of stored adapter %s: %s",
+                    profile_name,
+                    adapter.source,
+                    e,
+                )
+        found = [r for r in ranks if r is not None]
+        return max(found) if found else None
 
     async def _post(self, upstream: Upstream, path: str, body: dict) -> str | None:
         try:

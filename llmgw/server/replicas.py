@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Protocol
 
 import attrs
@@ -110,6 +110,9 @@ class ReplicaManager:
         # starts only once its node holds it. None: no adapter is kept (none can be served).
         self._stored_adapters = stored_adapters
         self._delivery = delivery
+        # A profile loading adapters on demand without max_lora_rank: the highest rank its
+        # stored adapters' configs say (None: the engine's default).
+        self.adapter_rank: Callable[[str], Awaitable[int | None]] | None = None
         self._wanted: dict[str, tuple[int, ScaleState]] = {}  # per profile: count and its history
         self._scale_reasons: dict[str, str] = {}  # per profile: the scaler's last word
         self._records: dict[str, Replica] = {}
@@ -391,6 +394,9 @@ class ReplicaManager:
             await self._start_shard_traced(node, spec)
 
     async def _start_shard_traced(self, node: str, spec: ShardSpec) -> None:
+        if spec.max_loaded_adapters and spec.max_lora_rank is None and self.adapter_rank is not None:
+            # Loaded later, on demand: the engine is told now the highest rank among them.
+            spec = attrs.evolve(spec, max_lora_rank=await self.adapter_rank(spec.profile))
         try:
             with tracing.span("adapter.delivery"):
                 spec = await self._deliver_adapters(node, spec)

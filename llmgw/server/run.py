@@ -219,6 +219,8 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
         )
         loads.delivery = delivery
         loads.stored_adapters = stored_adapters
+        loads.adapter_config = lambda name: jobs.adapter_file(name, "adapter_config.json")[0].read_text()
+        replicas.adapter_rank = loads.rank
         router.held = loads.held
         gate.adapter_loader = loads.need
         gate.on_adapter_done = loads.request_ended

@@ -13,6 +13,7 @@ from llmgw.core.engines.common import EngineBinaries
 from llmgw.core.engines.samples import ADAPTERS, base
 from llmgw.core.engines.validate import validate
 from llmgw.core.engines.vllm import lora_rank_choice
+from llmgw.core.training import lora_rank
 from tests.helpers import TESTS
 
 HELP = TESTS / "fixtures" / "engine-help"
@@ -137,3 +138,10 @@ def test_the_adapters_an_engine_holds_are_read_from_its_model_list(engine: str) 
     with pytest.raises(ValueError):
         api.held({"error": "x"}, "base")
     assert registry.ENGINES["llamacpp"].runtime_adapters is None
+
+
+def test_the_rank_an_engine_needs_is_the_highest_in_a_peft_config() -> None:
+    assert lora_rank({"r": 8, "lora_alpha": 16}) == 8
+    assert lora_rank({"r": 8, "rank_pattern": {"q_proj": 32, "v_proj": 4}}) == 32
+    assert lora_rank({"lora_alpha": 16}) is None
+    assert lora_rank({"r": True}) is None and lora_rank([8]) is None

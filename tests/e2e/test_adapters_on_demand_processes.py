@@ -8,6 +8,7 @@ loading it again."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import sys
 import urllib.error
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.agent import shard_state
 from tests.e2e.test_adapter_delivery_processes import MODEL, keep_adapter
-from tests.e2e.test_simulated_gpus_processes import engine_ports as engine_port_range
 from tests.helpers import TESTS
 from tests.procs import Proc, Server, agent_config, kill_recorded_shards, llmgw_command, wait_until
 
@@ -27,6 +28,23 @@ pytestmark = pytest.mark.slow
 FAKE_ENGINE = TESTS / "fake_engine.py"
 SIMULATED = TESTS / "fixtures" / "simulated"
 ADAPTERS = [f"a{i}" for i in range(10)]
+
+
+def engine_port_range(size: int = 10) -> dict[str, int]:
+    """Engine ports of this test's own, below the kernel's ephemeral range (where a client
+    socket could take one between the check and the engine's bind) and away from the default
+    range other runs' engines use: ``size`` ports free now, from a random start."""
+    rng = random.Random()
+    for _ in range(100):
+        first = rng.randrange(21000, 32000)
+        try:
+            for port in range(first, first + size):
+                with socket.socket() as sock:
+                    sock.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        return {"engine_port_min": first, "engine_port_max": first + size - 1}
+    raise AssertionError("no free engine port range")
 
 
 def free_port() -> int:
@@ -141,8 +159,15 @@ def test_adapters_load_once_on_demand_fail_with_the_engines_reason_and_are_relea
         server.admin("POST", "/admin/v1/tenants", {"name": "t"})
         secret = server.admin("POST", "/admin/v1/keys", {"tenant": "t"})["secret"]
         gateway = server.endpoints["gateway"]
-        # The engines were started for run-time loading, holding nothing.
+        # The engines were started for run-time loading, holding nothing, with room for the
+        # highest rank the stored adapter's config says (r 8).
         assert all(engine_state(port)["held"] == [] for port in engine_ports)
+        records = [r for _, r in shard_state.read_all(tmp_path / "agent-n1" / "shards")]
+        assert len(records) == 2
+        for record in records:
+            argv = record.processes[-1].argv
+            assert argv[argv.index("--max-lora-rank") + 1] == "8"
+            assert "--max-loras" in argv if engine == "vllm" else "--max-loaded-loras" in argv
 
         # 50 concurrent first requests for one cold adapter: one load, every request answered.
         with ThreadPoolExecutor(50) as pool:
