@@ -3,7 +3,7 @@ max_loaded_adapters on two replicas of the fake engine (its run-time LoRA API, w
 and a failing adapter) — 50 concurrent first requests load a cold adapter once, a failed load
 fails its requests with the engine's reason and is retried by the next request only, no adapter
 is unloaded under a request, and a restarted server relearns what the engines hold instead of
-loading it again."""
+loading it again, nor after the agent restarts."""
 
 from __future__ import annotations
 
@@ -217,6 +217,18 @@ def test_adapters_load_once_on_demand_fail_with_the_engines_reason_and_are_relea
         loads_after = sum(1 for port in engine_ports for e in engine_state(port)["events"] if e[0] == "load")
         assert loads_after == loads_before, "an adapter the engines held was loaded again"
         assert {port: engine_state(port)["held"] for port in engine_ports} == held
+
+        # The agent dies and comes back, adopting its engines: every adapter they hold is
+        # served again without a load.
+        agent.kill9()
+        agent = Proc([*llmgw_command(), "agent", "--config", str(config)], tmp_path / "agent-n1-again.log")
+        wait_until(lambda: server.nodes().get("n1", {}).get("connected"), "the agent back", proc=agent)
+        wait_until(lambda: ready_replicas(server), "the replicas Ready again", proc=server.proc)
+        for name in sorted({name for names in held.values() for name in names}):
+            status, body = complete(gateway, secret, name)
+            assert status == 200, body
+        loads_now = sum(1 for port in engine_ports for e in engine_state(port)["events"] if e[0] == "load")
+        assert loads_now == loads_before, "an adapter the engines held was loaded again"
     finally:
         agent.stop()
         if server.proc is not None:
