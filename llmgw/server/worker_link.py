@@ -8,7 +8,9 @@ control plane: :class:`Keys` (API keys as digests, and tenants with their limits
 what the worker had of that kind. The worker reports back every :data:`REPORT_INTERVAL` seconds
 (:class:`Report`: its requests in flight, queued and idle per model, for the scaler and for ctl),
 and at once when a request starts to wait for a model that has no Ready replica (:class:`Waiting`,
-the scaler's cue to start one).
+the scaler's cue to start one), and :class:`NeedAdapter` when a request names an adapter loaded on
+demand that no replica with room holds (the server loads it, once for every worker, and answers
+with :class:`AdapterAnswer`).
 
 One message per line: JSON with a ``type`` member, as the agent link's codec frames its own. A
 worker that meets a type it does not know skips it (a newer server), as the agent link does.
