@@ -95,7 +95,13 @@ def group_is_ours(record: ProcessRecord) -> bool:
     stat = read_stat(record.pgid)
     if stat is None or not stat.alive:
         return True
-    return record.pgid == record.pid and is_same_process(record)
+    if record.pgid != record.pid:
+        return False
+    # A leader killed a moment ago shows an empty command line while it exits, before it is a
+    # zombie: with its start time, that is still the leader (taking it for another process made
+    # a stop report its group gone while the group was still exiting).
+    exiting = stat.start_time == record.start_time and read_cmdline(record.pid) == ()
+    return exiting or is_same_process(record)
 
 
 def process_table() -> dict[int, ProcStat]:

@@ -64,7 +64,7 @@ def test_members_are_the_groups_living_processes_and_their_descendants() -> None
     assert processes.members([20], table) == {20, 21}
 
 
-def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_same_process() -> None:
+def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_same_process(monkeypatch: pytest.MonkeyPatch) -> None:
     zombie = subprocess.Popen(["true"])
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
@@ -94,8 +94,13 @@ def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_same_process() -> None:
         assert not processes.is_same_process(other)
         # Its pid is some other process now: its group is that process's, not ours to signal.
         assert not processes.group_is_ours(other)
+        assert not processes.group_is_ours(later)
         processes.signal_group(other, signal.SIGKILL)
         assert processes.read_stat(sleeper.pid).alive
+        # A leader killed a moment ago shows an empty command line while it exits (before it is
+        # a zombie): with its start time it is still ours, and so is its group.
+        monkeypatch.setattr(processes, "read_cmdline", lambda pid: ())
+        assert processes.group_is_ours(other) and not processes.group_is_ours(later)
     finally:
         zombie.wait()
         sleeper.kill()
