@@ -559,6 +559,10 @@ class LeaseLedger:
             # Any lease it holds (a previous control plane's) answered a report sent before now,
             # so it ends within one ttl from now: charge it until then at least.
             worker = self._workers[report.worker] = _Worker(expires=now + self.ttl)
+            # A worker that outlived an earlier control plane has applied that one's grants up
+            # to report.acked: this ledger's numbers go on from there, or the worker would take
+            # its grants for old ones and drop them (for as many grants as the old one sent).
+            worker.seq = worker.acked = report.acked
         if report.seq <= worker.answered:
             return  # older than one already taken in
         worker.answered = report.seq

@@ -221,6 +221,28 @@ def test_a_new_ledger_adopts_the_workers_shares_and_raises_none_until_they_repor
     assert new.shares(TPM)["a"] > 50 and new.charged(TPM) <= 100
 
 
+def test_a_new_ledgers_grants_are_not_taken_for_the_old_ones():
+    old = LeaseLedger(0.0)
+    old.set_replicas({"r": ("m", 2)})
+    a, b = WorkerLeases("a"), WorkerLeases("b")
+    for now in range(40):  # many grants: the worker has acknowledged up to about 40
+        exchange(old, a, float(now))
+        exchange(old, b, float(now))
+    assert a.slots("r", 40.0) == 1
+    new = LeaseLedger(50.0, awaiting=("a", "b"))
+    new.set_replicas({"r": ("m", 2)})
+    exchange(new, a, 50.0)
+    exchange(new, b, 50.0)
+    # b waits for two more; a has nothing to do: the new ledger moves a's slot to b, and both
+    # take its grants (numbered on from the old ledger's), not drop them as already seen.
+    waiting = [Waiting(model="m", band=0, tenant="t", count=2)]
+    for now in (51.0, 52.0, 53.0):
+        new.receive(b.report(now, in_flight={"r": 1}, waiting=waiting), now)
+        b.apply(new.grant("b", now), now)
+        exchange(new, a, now)
+    assert (a.slots("r", 53.0), b.slots("r", 53.0)) == (0, 2)
+
+
 def test_messages_travel_as_plain_json():
     ledger = LeaseLedger(0.0)
     ledger.set_limits(TENANT, Limits(tpm=100))
