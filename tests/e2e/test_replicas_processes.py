@@ -113,7 +113,11 @@ def test_replicas_are_placed_explained_and_reaped_on_a_silent_node(tmp_path):
 
 def test_an_engine_that_keeps_crashing_is_restarted_with_backoff_then_moved(tmp_path):
     restart = {"initial_delay": "200ms", "max_delay": "1s", "move_after": 2, "give_up_after": 10}
-    server = Server(tmp_path, heartbeat_interval=0.3, reconcile={"restart": restart}).start()
+    # A liveness window (6 s) a starved agent on a loaded machine stays inside: a node that looked
+    # lost for a moment would have the replica placed on n2 at once, and nothing would crash.
+    server = Server(
+        tmp_path, heartbeat_interval=0.3, missed_heartbeats=20, reconcile={"restart": restart}
+    ).start()
     crashing = fake_llama_server(tmp_path, "crashing-llama-server", exit_after="0.3")
     healthy = fake_llama_server(tmp_path)
     agents = {
