@@ -322,6 +322,10 @@ class WorkerLeases:
         note): its part of the tenant's waiters over all workers, 1 where this one holds all."""
         return self._weights.get((model, band, tenant), 1.0)
 
+    def slot_shares(self) -> dict[str, int]:
+        """Each replica's slots this worker holds (for its /metrics)."""
+        return dict(self._slots)
+
     def wants_report(self) -> bool:
         """A request was refused for want of share, or a share was cut: report now rather than
         at the next tick."""

@@ -292,8 +292,14 @@ class Worker:
 
     def _info(self) -> WorkerInfo:
         now = trio.current_time()
-        lease_left = None if self.leases is None else max(0.0, self.leases.expires_at - now)
-        return WorkerInfo(pid=os.getpid(), serving=self.state.fresh(), lease_left=lease_left)
+        if self.leases is None:
+            return WorkerInfo(pid=os.getpid(), serving=self.state.fresh(), lease_left=None)
+        return WorkerInfo(
+            pid=os.getpid(),
+            serving=self.state.fresh(),
+            lease_left=max(0.0, self.leases.expires_at - now),
+            slots=tuple(sorted(self.leases.slot_shares().items())),
+        )
 
     async def _write_metrics(self) -> None:
         while True:

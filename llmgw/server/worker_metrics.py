@@ -47,6 +47,7 @@ class WorkerInfo:
     pid: int
     serving: bool
     lease_left: float | None  # seconds; None for a lone worker, which holds no lease
+    slots: tuple[tuple[str, int], ...] = ()  # (replica, its slots this worker holds), when leased
 
 
 class _WorkerGauges:
@@ -76,6 +77,12 @@ class _WorkerGauges:
             )
             lease.add_metric([], info.lease_left)
             families.append(lease)
+            slots = GaugeMetricFamily(
+                "llmgw_gateway_worker_slots", "A replica's slots this worker holds", labels=["replica"]
+            )
+            for replica, share in info.slots:
+                slots.add_metric([replica], share)
+            families.append(slots)
         return families
 
 

@@ -290,11 +290,28 @@ def test_workers_serve_on_their_shares_past_a_lease_and_a_silent_one_is_replaced
         wait_until(both_serve, "both workers to serve again", deadline=60)
         assert [chat(fleet, f"Before the kill {n}: say hi.")[0] for n in range(6)] == [200] * 6
 
+        # With no control plane, shares stay where they are: a worker holding none of the
+        # replica's slots could not reach it. Idle, they are split evenly; wait for that.
+        host, port = fleet.gateway
+        (replica,) = fleet.replicas(name)
+
+        def both_hold_slots() -> bool:
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+            conn.close()
+            held = {
+                labels["worker"]: value
+                for labels, value in metric_samples(text, "llmgw_gateway_worker_slots")
+                if labels.get("replica") == replica["id"]
+            }
+            return len(held) == 2 and all(value >= 1 for value in held.values())
+
+        wait_until(both_hold_slots, "both workers to hold a slot of the replica", deadline=60)
         before = all_worker_states(fleet)
         fleet.server.proc.kill9()
         killed = time.monotonic()
         wait_until(lambda: time.monotonic() - killed > 2 * ttl + 1, "two leases' length without a server")
-        host, port = fleet.gateway
         for _ in range(6):  # new connections each: both workers answer
             conn = http.client.HTTPConnection(host, port, timeout=30)
             conn.request("GET", "/health")

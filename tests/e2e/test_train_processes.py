@@ -45,7 +45,9 @@ def start_fleet(tmp_path: Path, converter: Path, base: Path, **extra: object) ->
     """A server whose catalog serves the tiny model with llama.cpp (its GGUF; training reads the
     safetensors directory `base` on the node), and one agent, cpu-1; ``extra``: more top-level
     sections of both configs (tracing)."""
-    server = Server(tmp_path, heartbeat_interval=0.5, missed_heartbeats=3)
+    # A 6 s liveness window: training on the CPU starves the agent of it for a while on a loaded
+    # machine, and a node that looks lost fails its job (a killed agent is still seen within it).
+    server = Server(tmp_path, heartbeat_interval=0.5, missed_heartbeats=12)
     # A llama.cpp profile serves the model, so its adapters are converted to GGUF; no replica
     # runs (min_replicas 0): this test is about training.
     catalog = {
