@@ -47,6 +47,21 @@ def public_parts():
         shutil.rmtree(root, ignore_errors=True)
 
 
+# One SmolLM2 replica on the CPU, placed by the reconciler (the store-move test starts the same).
+PROFILE = {
+    "name": "smollm2-cpu",
+    "model": "smollm2",
+    "engine": "llamacpp",
+    "gpu_class": None,
+    "memory_mib": 512,
+    "cpu_cores": 1,
+    "ctx_size": 2048,
+    "parallel": 2,
+    "min_replicas": 1,
+    "max_replicas": 1,
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,20 +131,7 @@ def test_llamacpp_replica_placed_survives_agent_and_server_kills_and_stops(
         wait_until(lambda: server.nodes().get("cpu-1", {}).get("connected"), "the agent", proc=agent)
         catalog = {
             "models": [{"name": "smollm2", "path": str(model), "format": "gguf"}],
-            "profiles": [
-                {
-                    "name": "smollm2-cpu",
-                    "model": "smollm2",
-                    "engine": "llamacpp",
-                    "gpu_class": None,
-                    "memory_mib": 512,
-                    "cpu_cores": 1,
-                    "ctx_size": 2048,
-                    "parallel": 2,
-                    "min_replicas": 1,
-                    "max_replicas": 1,
-                }
-            ],
+            "profiles": [PROFILE],
         }
         asked = time.monotonic()
         server.admin("POST", "/admin/v1/catalog", catalog)

@@ -21,7 +21,7 @@ import yaml
 
 from llmgw.agent.processes import read_stat
 from llmgw.server.store import open_store
-from tests.e2e.test_shard_e2e import chat, public_parts, ready_replica, shard_view, what_happened
+from tests.e2e.test_shard_e2e import PROFILE, chat, public_parts, ready_replica, shard_view, what_happened
 from tests.helpers import PROJECT_ROOT
 from tests.procs import Server, kill_recorded_shards, start_agent, wait_until, write_yaml
 
@@ -29,22 +29,7 @@ pytestmark = pytest.mark.slow
 
 __all__ = ["public_parts"]  # a fixture, imported for pytest
 
-CATALOG = {
-    "profiles": [
-        {
-            "name": "smollm2-cpu",
-            "model": "smollm2",
-            "engine": "llamacpp",
-            "gpu_class": None,
-            "memory_mib": 512,
-            "cpu_cores": 1,
-            "ctx_size": 2048,
-            "parallel": 2,
-            "min_replicas": 1,
-            "max_replicas": 1,
-        }
-    ],
-}
+CATALOG = {"profiles": [PROFILE]}
 
 
 async def tenants_in(data_dir, url: str, password: str) -> list[str]:
