@@ -326,6 +326,10 @@ class WorkerLeases:
         """Each replica's slots this worker holds (for its /metrics)."""
         return dict(self._slots)
 
+    def quota_shares(self) -> tuple[tuple[str, str, str, int], ...]:
+        """Each quota this worker holds a share of: (kind, id, limit, share), for its reports."""
+        return tuple(sorted((kind, id_, limit, share) for ((kind, id_), limit), share in self._quota.items()))
+
     def wants_report(self) -> bool:
         """A request was refused for want of share, or a share was cut: report now rather than
         at the next tick."""
@@ -345,26 +349,32 @@ class WorkerLeases:
                     share = min(self.share(subject, name, now), limit)
                     per[name] = Allowance(amount=share, alone=share >= limit)
         result = self.book.reserve_within(allowances, estimate_tokens, now)
+        short_of_share = True  # every pool that refused it is a share smaller than its limit
         for subject, per in allowances.items():
             usage = self.book.usage(subject, now)
             for name, allowance in per.items():
                 cost = 1 if name == "rpm" else estimate_tokens
                 held = getattr(usage, name)
+                pool = (subject, name)
                 if isinstance(result, Refused):
                     if held + cost > allowance.amount:
-                        pool = (subject, name)
                         self._wanted[pool] = self._wanted.get(pool, 0) + cost
-                        if cost > allowance.amount or not self.live(now):
-                            self._refused_for_share = True
+                        short_of_share = short_of_share and not allowance.alone
                 else:
-                    pool = (subject, name)
                     self._kept.pop(pool, None)  # what it was refused for is in now (or went)
                     if held + cost > allowance.amount:
                         # Admitted, but the next one like it would not fit: ask ahead.
                         self._wanted[pool] = max(self._wanted.get(pool, 0), cost)
-        if isinstance(result, Refused) and math.isinf(result.retry_after):
-            return Refused(subject=result.subject, limit=result.limit, retry_after=self.renew_interval)
-        return result
+        if not isinstance(result, Refused):
+            return result
+        if short_of_share:
+            # The room may be another worker's: ask for it now, not at the next tick, since the
+            # request waits for the grant that brings it (the gate's SHARE_WAIT).
+            self._refused_for_share = True
+        retry_after = self.renew_interval if math.isinf(result.retry_after) else result.retry_after
+        return Refused(
+            subject=result.subject, limit=result.limit, retry_after=retry_after, short_of_share=short_of_share
+        )
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         self.book.settle(reservation, actual_tokens)

@@ -241,6 +241,9 @@ class Refused:
     subject: Hashable
     limit: LimitName
     retry_after: float  # seconds from now; > 0
+    # Refused only by shares smaller than their limits (a gateway worker's leases, core.leases):
+    # the room may be another worker's, and can move here with the control plane's next grants.
+    short_of_share: bool = False
 
 
 class QuotaBook:

@@ -42,6 +42,11 @@ from llmgw.server.store import UsageRecord
 MAX_WAITING = 1024
 # How long a request may wait for room before it is answered 503.
 QUEUE_TIMEOUT = 60.0
+# How long a gateway worker's request refused only by its share of a quota (not by the limit)
+# waits for grants that may bring the room before it is answered 429: moving a share takes the
+# other worker's acknowledgement, a few lease ticks; a tenant truly over its limit is told 429
+# this much later than by a lone gateway.
+SHARE_WAIT = 2.0
 
 
 class CallerKey(Protocol):
@@ -134,8 +139,11 @@ class ControlPlaneGate:
         tenant_weight: Callable[[str, int, str], float] | None = None,
         share: Callable[[Limits], Limits] | None = None,
         adapter_loader: Callable[[str, str], Awaitable[None]] | None = None,
+        next_grant: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._keys = keys
+        # A gateway worker's: returns once its next lease grant is applied (None: no leases).
+        self._next_grant = next_grant
         # This server's part of each limit, when servers sharing a store split the quotas
         # (core.server_shares); None: the whole limit.
         self._share = share
@@ -180,6 +188,20 @@ class ControlPlaneGate:
     def models(self, caller: CallerKey, served: Sequence[str]) -> Sequence[str]:
         return [m for m in served if not caller.models or m in caller.models]
 
+    async def _reserve(
+        self, quotas: Mapping[Hashable, Limits], estimate: int, now: float
+    ) -> Reservation | Refused:
+        reserved = self._quotas.reserve(quotas, estimate, now)
+        if self._next_grant is None:
+            return reserved
+        # Refused by this worker's share alone (a worker just started holds none): the room may
+        # be another's, moving here with the next grants. Only the limit itself answers 429.
+        with trio.move_on_after(SHARE_WAIT):
+            while isinstance(reserved, Refused) and reserved.short_of_share:
+                await self._next_grant()
+                reserved = self._quotas.reserve(quotas, estimate, trio.current_time())
+        return reserved
+
     async def admit(self, caller: CallerKey, model: str, payload: dict, body_size: int) -> Ticket:
         # A key's models are names as clients send them: a key may be limited to an adapter,
         # and one allowed the base model is not thereby allowed its adapters.
@@ -203,7 +225,8 @@ class ControlPlaneGate:
             if adapter is not None:
                 request_span.set_attribute("llmgw.adapter", adapter)
             quota_span = tracing.start("gateway.quota")
-        reserved = self._quotas.reserve(quotas, estimate_tokens(payload, body_size), now)
+        reserved = await self._reserve(quotas, estimate_tokens(payload, body_size), now)
+        now = trio.current_time()
         if isinstance(reserved, Refused):
             who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
             refusal = GatewayError(

@@ -270,6 +270,7 @@ class Worker:
             on_waiting=self._note_waiting,
             quotas=self.leases,
             tenant_weight=None if leases is None else leases.tenant_weight,
+            next_grant=None if leases is None else self._next_grant,
         )
         self.metrics = GatewayMetrics(
             gate=self.gate,
@@ -289,6 +290,10 @@ class Worker:
         self._asks = itertools.count(1)
         self._answers: dict[int, tuple[trio.Event, list[AdapterAnswer]]] = {}
         self._report_now = trio.Event()
+        self._granted = trio.Event()  # set (and replaced) as each lease grant is applied
+
+    async def _next_grant(self) -> None:
+        await self._granted.wait()
 
     def _info(self) -> WorkerInfo:
         now = trio.current_time()
@@ -385,6 +390,8 @@ class Worker:
                             self.leases.apply(message, trio.current_time())
                             self.state.rebuild()  # slots may have moved
                             self.gate.redispatch()
+                            self._granted.set()  # requests waiting for a share try again
+                            self._granted = trio.Event()
                         if self.state.fresh():
                             self._serveable.set()
             except* LINK_ERRORS as group:
@@ -495,6 +502,7 @@ class Worker:
                 (r, a, n) for (r, a), n in sorted(self.gate.adapters_in_flight().items())
             ),
             adapters_waiting=tuple(sorted(self.gate.adapters_waiting().items())),
+            quota_shares=() if self.leases is None else self.leases.quota_shares(),
         )
 
 

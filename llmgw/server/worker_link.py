@@ -134,6 +134,8 @@ class Report:
     # adapter with either is unloaded.
     adapters_in_flight: tuple[tuple[str, str, int], ...] = ()
     adapters_waiting: tuple[tuple[str, int], ...] = ()
+    # Its leased shares of quotas it holds any of: (kind, id, limit, share), kind "tenant" or "key".
+    quota_shares: tuple[tuple[str, str, str, int], ...] = ()
 
 
 @frozen

@@ -103,7 +103,7 @@ def test_two_workers_split_a_quota_and_move_it_to_the_one_that_is_refused():
     quota = {TENANT: Limits(tpm=100)}
     # 70 does not fit b's half: refused, told to come back after one renewal, demand noted.
     refused = b.reserve(quota, 70, now=1.5)
-    assert refused == Refused(subject=TENANT, limit="tpm", retry_after=RENEW_INTERVAL)
+    assert refused == Refused(subject=TENANT, limit="tpm", retry_after=RENEW_INTERVAL, short_of_share=True)
     assert b.wants_report()
     exchange(ledger, b, 1.6)  # b asks; a's half is cut but not grantable before a applies it
     assert ledger.shares(TPM)["b"] < 70 and ledger.charged(TPM) <= 100
@@ -199,6 +199,58 @@ def test_a_worker_started_again_under_its_name_is_a_new_process_to_the_ledger():
         exchange(ledger, b, now)
     exchange(ledger, again, 8.0)
     assert again.share(TENANT, "rpm", 8.0) >= 2 and ledger.charged(RPM) <= 10
+
+
+def test_a_worker_started_in_a_gone_ones_place_is_refused_by_its_share_alone_until_it_moves():
+    """The 429 a replaced worker answered within quota (rpm 200, six requests): its first grant
+    holds no share, as the gone worker's charge and the other's uncut share take the whole limit.
+    The refusal says it is the share's, not the limit's, and the room comes with the next grants
+    once the other worker applied its cut: what the gate waits for (server.gate.SHARE_WAIT)."""
+    ledger = LeaseLedger(0.0, ttl=3.0)
+    ledger.set_limits(TENANT, Limits(rpm=200))
+    quota = {TENANT: Limits(rpm=200)}
+    w0, w1 = WorkerLeases("w0"), WorkerLeases("w1")
+    for now in (0.0, 1.0, 2.0):
+        exchange(ledger, w0, now)
+        exchange(ledger, w1, now)
+    assert ledger.shares(RPM) == {"w0": 100, "w1": 100}
+    for now in (3.0, 4.0, 5.0, 6.0):
+        exchange(ledger, w0, now)  # w1 is silent from 2.0 on
+    ledger.gone("w1", 6.0)  # silent past the lease: killed, and said so
+    again = WorkerLeases("w1")
+    exchange(ledger, again, 6.5)
+    assert again.live(6.5) and again.share(TENANT, "rpm", 6.5) == 0
+    refused = again.reserve(quota, 0, now=6.6)
+    assert isinstance(refused, Refused) and refused.short_of_share
+    assert again.wants_report()
+    # The cut reaches w0 (due at once), w0 acknowledges it, and the room is w1's.
+    assert ledger.due() == ["w0"]
+    w0.apply(ledger.grant("w0", 6.6), 6.6)
+    assert w0.wants_report()
+    exchange(ledger, w0, 6.7)
+    assert "w1" in ledger.due()
+    again.apply(ledger.grant("w1", 6.7), 6.7)
+    assert again.share(TENANT, "rpm", 6.7) > 0
+    assert isinstance(again.reserve(quota, 0, now=6.8), Reservation)
+    assert ledger.charged(RPM) <= 200
+
+
+def test_a_refusal_by_the_whole_limit_is_not_short_of_share():
+    ledger = LeaseLedger(0.0)
+    ledger.set_limits(TENANT, Limits(rpm=2))
+    quota = {TENANT: Limits(rpm=2)}
+    alone = WorkerLeases("a")
+    exchange(ledger, alone, 0.0)
+    assert alone.share(TENANT, "rpm", 0.0) == 2
+    for _ in range(2):
+        assert isinstance(alone.reserve(quota, 0, now=0.5), Reservation)
+    refused = alone.reserve(quota, 0, now=0.5)
+    assert isinstance(refused, Refused) and not refused.short_of_share
+    # With a second worker, the same window refuses by the share: the room may be the other's.
+    other = WorkerLeases("b")
+    exchange(ledger, other, 1.0)
+    assert isinstance(other.reserve(quota, 0, now=1.0), Refused)
+    assert other.reserve(quota, 0, now=1.0).short_of_share
 
 
 def test_a_new_ledger_adopts_the_workers_shares_and_raises_none_until_they_reported():

@@ -10,9 +10,16 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.core.quota import CHARS_PER_TOKEN, DEFAULT_COMPLETION_ESTIMATE, Limits, estimate_tokens
+from llmgw.core.quota import (
+    CHARS_PER_TOKEN,
+    DEFAULT_COMPLETION_ESTIMATE,
+    Limits,
+    QuotaBook,
+    Refused,
+    estimate_tokens,
+)
 from llmgw.gateway import GatewayError, RequestRecord, Upstream, Usage
-from llmgw.server.gate import ControlPlaneGate
+from llmgw.server.gate import SHARE_WAIT, ControlPlaneGate
 from llmgw.server.routing import Route, Routes
 
 
@@ -143,6 +150,85 @@ async def test_sixty_four_concurrent_clients_never_overshoot_a_token_quota(autoj
     assert len(admitted) == limit // estimate  # and the quota is used, not wasted
     assert all(e.status == 429 and e.retry_after and e.retry_after > 0 for e in refused)
     assert len(admitted) + len(refused) == 64
+
+
+class Shares:
+    """A gateway worker's leases as the gate sees them: refuses by its share (or by the limit)
+    until a grant lets it admit."""
+
+    def __init__(self, short_of_share: bool) -> None:
+        self.short_of_share = short_of_share
+        self.admits = False
+        self.book = QuotaBook()
+        self.granted = trio.Event()
+        self.tries = 0
+
+    def reserve(self, quotas, estimate, now):
+        self.tries += 1
+        if not self.admits:
+            return Refused(
+                subject=("tenant", "alice"), limit="rpm", retry_after=1.0, short_of_share=self.short_of_share
+            )
+        return self.book.reserve(quotas, estimate, now)
+
+    def settle(self, reservation, actual):
+        self.book.settle(reservation, actual)
+
+    def release(self, reservation):
+        self.book.release(reservation)
+
+    def grant(self, admits: bool) -> None:
+        self.admits = admits
+        self.granted.set()
+        self.granted = trio.Event()
+
+    async def next_grant(self) -> None:
+        await self.granted.wait()
+
+
+def shared_gate(shares: Shares) -> ControlPlaneGate:
+    keys = Keys(("s", ALICE), tenant_limits={"alice": Limits(rpm=200)})
+    return gate(keys, quotas=shares, next_grant=shares.next_grant)
+
+
+async def test_a_request_refused_by_its_workers_share_alone_waits_for_the_grant_that_brings_room(
+    autojump_clock,
+):
+    shares = Shares(short_of_share=True)
+    g = shared_gate(shares)
+    admitted = []
+
+    async def client():
+        admitted.append(await g.admit(ALICE, "m", *chat()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client)
+        await trio.testing.wait_all_tasks_blocked()
+        shares.grant(admits=False)  # a grant that moved nothing: still waiting
+        await trio.testing.wait_all_tasks_blocked()
+        assert not admitted
+        await trio.sleep(0.3)
+        shares.grant(admits=True)
+    assert len(admitted) == 1 and shares.tries == 3
+
+
+async def test_a_worker_whose_share_never_grows_answers_429_after_the_share_wait(autojump_clock):
+    shares = Shares(short_of_share=True)
+    g = shared_gate(shares)
+    started = trio.current_time()
+    with pytest.raises(GatewayError) as refused:
+        await g.admit(ALICE, "m", *chat())
+    assert refused.value.status == 429
+    assert trio.current_time() - started == pytest.approx(SHARE_WAIT)
+
+
+async def test_a_refusal_by_the_limit_itself_is_answered_at_once(autojump_clock):
+    shares = Shares(short_of_share=False)
+    g = shared_gate(shares)
+    started = trio.current_time()
+    with pytest.raises(GatewayError) as refused:
+        await g.admit(ALICE, "m", *chat())
+    assert refused.value.status == 429 and trio.current_time() == started and shares.tries == 1
 
 
 async def test_requests_wait_for_room_and_are_let_through_as_slots_free(autojump_clock):
