@@ -23,7 +23,9 @@ def llmgw_command() -> list[str]:
 class Proc:
     """A child in its own process group, with stdout+stderr going to a log file."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.log = log
         with open(log, "ab") as out:
             self.popen = subprocess.Popen(
@@ -33,6 +35,7 @@ class Proc:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 env={**os.environ, **(env or {})},
+                cwd=cwd,
             )
 
     @property
@@ -123,9 +126,16 @@ class Server:
         self.proc: Proc | None = None
         self.endpoints: dict = {}
 
-    def start(self) -> Server:
+    def start(
+        self, *, command: list[str] | None = None, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> Server:
         (self.data_dir / "endpoints.json").unlink(missing_ok=True)
-        self.proc = Proc([*llmgw_command(), "server", "--config", str(self.config)], self.tmp / "server.log")
+        self.proc = Proc(
+            [*(command or llmgw_command()), "server", "--config", str(self.config)],
+            self.tmp / "server.log",
+            env=env,
+            cwd=cwd,
+        )
         self.endpoints = wait_until(
             lambda: read_endpoints(self.data_dir), "the server to listen", proc=self.proc
         )

@@ -50,6 +50,8 @@ def workers_table(workers: list[dict]) -> Table:
         table.add_column(column, justify="right" if column not in ("WORKER", "STATE") else "left")
     for w in workers:
         state = "serving" if w["serving"] else ("connected" if w["connected"] else "not connected")
+        if w.get("failure") and not w["serving"]:
+            state = f"failing: {w['failure']}"  # its exit and last words, until it serves again
         if w["adopted"]:
             state += " (adopted)"
         lease = "-" if w["lease_left"] is None else f"{w['lease_left']:.0f} s"

@@ -182,7 +182,18 @@ def make_app(
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return jsonify(status="ok", version=__version__)
+        """ok; or degraded, naming each gateway worker that ended before serving (with its last
+        words) — 503 when no worker serves at all, so the gateway port has no one behind it."""
+        listing = workers() if workers is not None else []
+        failing = [
+            f"gateway worker {w['id']} {w['failure']}" for w in listing if w["failure"] and not w["serving"]
+        ]
+        if not failing:
+            return jsonify(status="ok", version=__version__)
+        answer = jsonify(status="degraded", version=__version__, problems=failing)
+        if not any(w["serving"] for w in listing):
+            answer.status_code = 503
+        return answer
 
     @app.get("/admin/v1/workers")
     async def list_workers() -> Response:

@@ -69,11 +69,36 @@ RESTART_INITIAL, RESTART_MAX = 0.5, 30.0
 QUIESCE_TIMEOUT = 10.0
 
 
+# The interpreter's program for a worker: `-P` keeps the working directory off sys.path (with
+# `-m`, a folder named llmgw there — a checkout's parent, a folder of configs — shadowed this
+# package and every worker died at import), and the package's own location is put first instead,
+# unless the path already has it (an install's site-packages), so the worker runs this very llmgw.
+_WORKER_MAIN = (
+    "import sys; root = sys.argv.pop(1); "
+    "sys.path.insert(0, root) if root not in sys.path else None; "
+    "from llmgw.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+# How much of a dead worker's own output the server's log and ctl quote.
+FAILURE_TAIL_LINES = 5
+
+
 def worker_command(spec_file: Path) -> list[str]:
     """This same program, as the worker: the frozen binary is its own interpreter."""
     if getattr(sys, "frozen", False):
         return [sys.executable, "server", "--gateway-worker", str(spec_file)]
-    return [sys.executable, "-m", "llmgw", "server", "--gateway-worker", str(spec_file)]
+    root = str(Path(__file__).resolve().parent.parent.parent)  # the folder holding llmgw/
+    return [sys.executable, "-P", "-c", _WORKER_MAIN, root, "server", "--gateway-worker", str(spec_file)]
+
+
+def last_lines(path: Path, count: int = FAILURE_TAIL_LINES, *, limit: int = 16 * 1024) -> str:
+    """The last ``count`` non-empty lines of a worker's log (its last ``limit`` bytes at most)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - limit))
+            text = file.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-count:])
 
 
 @attrs.define(eq=False)
@@ -88,12 +113,15 @@ class _Worker:
     restarts: int = 0
     process: trio.Process | None = None  # ours to reap when we started it
     serving: trio.Event = attrs.field(factory=trio.Event)  # set once it reported it serves
+    settled: trio.Event = attrs.field(factory=trio.Event)  # set once it serves or has failed
     # Adopted, but started with settings this server would not give it (another port, its own
     # share of quotas or all of them, another queue timeout): replaced before anything else.
     outdated: bool = False
     # The ledger has had a lease report from it: a grant answers a report, so none is pushed
     # before the first (a restarted server's ledger has heard from nobody yet).
     lease_reported: bool = False
+    # Why its last process ended before serving, with the end of its output; None once it serves.
+    failure: str | None = None
     # When this server last heard a lease report from it (or took it on): a worker silent for a
     # lease's length is killed, since only a worker known gone gives its shares back.
     heard_at: float = attrs.field(factory=trio.current_time)
@@ -168,11 +196,16 @@ class WorkerPool:
                     "connected": worker.connected,
                     "serving": bool(fresh and report.fresh),
                     "restarts": worker.restarts,
+                    "failure": worker.failure,
                     "requests": report.requests if report else 0,
                     "connections": report.connections if fresh else 0,
                     "in_flight": sum(n for _, _, n in report.in_flight) if fresh else 0,
                     "queued": sum(n for _, _, n in report.queued) if fresh else 0,
                     "lease_left": report.lease_left if fresh else None,
+                    # "tenant/acme/rpm": its share, for each quota it holds some of
+                    "quota_shares": {f"{k}/{i}/{limit}": n for k, i, limit, n in report.quota_shares}
+                    if fresh
+                    else {},
                 }
             )
         return out
@@ -269,15 +302,22 @@ class WorkerPool:
                     nursery.start_soon(self._retire, extra)
                 if self._ledger is not None:
                     nursery.start_soon(self._kill_the_silent)
-                # Up once every worker serves: a client told the port may use it at once.
-                with trio.move_on_after(CONNECT_WITHIN) as waiting:
+                # Up once every worker serves: a client told the port may use it at once. A
+                # worker that ended first is no reason to wait on, nor to stop the server (the
+                # admin API, the link and the reconciler serve on, and say what is wrong).
+                with trio.move_on_after(CONNECT_WITHIN):
                     for worker in self._workers.values():
-                        await worker.serving.wait()
-                if waiting.cancelled_caught:
-                    late = ", ".join(w.id for w in self._workers.values() if not w.serving.is_set())
-                    raise OSError(
-                        f"gateway worker {late} did not start serving within {CONNECT_WITHIN:.0f} s "
-                        f"(its log: {self._directory}/<worker>.log)"
+                        await worker.settled.wait()
+                late = [w for w in self._workers.values() if not w.serving.is_set()]
+                if late:
+                    log.error(
+                        "gateway worker(s) %s not serving: the gateway port has %s behind it; "
+                        "each is started again with a backoff (ctl workers and /healthz say why)",
+                        ", ".join(
+                            f"{w.id} ({w.failure or f'not serving after {CONNECT_WITHIN:.0f} s'})"
+                            for w in late
+                        ),
+                        "no one" if len(late) == len(self._workers) else "fewer workers",
                     )
                 task_status.started(self._port)
         finally:
@@ -361,9 +401,30 @@ class WorkerPool:
                 worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
             )
             worker.restarts += 1
+            status = None
             if worker.process is not None:
-                await worker.process.wait()  # ours: reaped, not left a zombie
-            log.warning("gateway worker %s died: starting it again in %.1f s", worker.id, delay)
+                status = await worker.process.wait()  # ours: reaped, not left a zombie
+            killed = status is not None and status < 0
+            if status is None:
+                ended = "died"  # adopted: not ours to reap
+            elif killed:
+                ended = f"was killed by signal {-status}"
+            else:
+                ended = f"exited with status {status}"
+            # Shown by ctl workers and /healthz until it serves again: the gateway port may have
+            # no one behind it, and the worker's own last words say why (a kill leaves none).
+            output = "" if killed else last_lines(self._directory / f"{worker.id}.log")
+            worker.failure = f"{ended}: {output}" if output else ended
+            worker.settled.set()
+            # A kill is the server's own (a silent worker) or an operator's; any other end is a fault.
+            (log.warning if killed else log.error)(
+                "gateway worker %s (pid %d) %s\n(its log: %s); starting it again in %.1f s",
+                worker.id,
+                worker.pid,
+                worker.failure,
+                self._directory / f"{worker.id}.log",
+                delay,
+            )
             worker.pid = 0
             await trio.sleep(delay)
 
@@ -451,7 +512,9 @@ class WorkerPool:
                         self._reported = trio.Event()
                         if message.fresh:
                             worker.restarts = 0  # it serves: the next death starts the backoff afresh
+                            worker.failure = None
                             worker.serving.set()
+                            worker.settled.set()
                     elif isinstance(message, Waiting):
                         self._on_waiting(message.model)
                     elif isinstance(message, NeedAdapter):

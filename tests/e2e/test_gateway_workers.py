@@ -13,8 +13,11 @@ import http.client
 import json
 import os
 import signal
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -288,10 +291,20 @@ def test_workers_serve_on_their_shares_past_a_lease_and_a_silent_one_is_replaced
         )
         assert f"w1 (pid {silent}) has not reported" in fleet.server.proc.output()
         wait_until(both_serve, "both workers to serve again", deadline=60)
+        # The new worker's first grant holds no share of the tenant's quota (the gone one's charge
+        # and the other's uncut share take it all): within the quota, it waits for the grants
+        # that bring its share rather than answer 429.
         assert [chat(fleet, f"Before the kill {n}: say hi.")[0] for n in range(6)] == [200] * 6
 
         # With no control plane, shares stay where they are: a worker holding none of the
-        # replica's slots could not reach it. Idle, they are split evenly; wait for that.
+        # tenant's quota could not admit, nor one holding none of the replica's slots reach it.
+        # Idle, they are split evenly; wait for that.
+        def both_hold_quota() -> bool:
+            return len(workers(fleet)) == 2 and all(
+                w["quota_shares"].get("tenant/routing/rpm", 0) > 0 for w in workers(fleet)
+            )
+
+        wait_until(both_hold_quota, "both workers to hold a share of the tenant's quota", deadline=60)
         host, port = fleet.gateway
         (replica,) = fleet.replicas(name)
 
@@ -324,8 +337,9 @@ def test_workers_serve_on_their_shares_past_a_lease_and_a_silent_one_is_replaced
         fleet.stop()
 
 
-def workers(fleet: Fleet) -> list[dict]:
-    return fleet.server.admin("GET", "/admin/v1/workers")["workers"]
+def workers(fleet: Fleet | Server) -> list[dict]:
+    server = fleet.server if isinstance(fleet, Fleet) else fleet
+    return server.admin("GET", "/admin/v1/workers")["workers"]
 
 
 def test_two_workers_share_the_port_and_hold_one_quota_between_them(real_parts, tmp_path):
@@ -417,5 +431,84 @@ def test_a_worker_left_with_other_settings_is_replaced_not_adopted(tmp_path):
         )
         spec = json.loads((server.data_dir / "workers" / "w0.json").read_text())
         assert spec["queue_timeout"] == 17.0
+    finally:
+        server.proc.stop()
+
+
+def gateway_health(server: Server) -> int:
+    host, port = server.endpoints["gateway"].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=30)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+def test_workers_start_from_a_directory_holding_a_folder_named_llmgw(tmp_path):
+    """The server run as its console script from a folder holding one named `llmgw` (a checkout's
+    parent, a folder of configs): its workers must import this llmgw, not that folder."""
+    here = tmp_path / "configs"
+    (here / "llmgw").mkdir(parents=True)
+    (here / "llmgw" / "__init__.py").write_text("# not the llmgw package\n")
+    script = Path(sys.executable).parent / "llmgw"
+    assert script.exists(), f"no console script at {script}: is llmgw installed in this environment?"
+    server = Server(tmp_path, gateway={"workers": 2}).start(command=[str(script)], cwd=here)
+    try:
+        wait_until(
+            lambda: len(workers(server)) == 2 and all(w["serving"] for w in workers(server)),
+            "both workers to serve",
+            deadline=60,
+            proc=server.proc,
+        )
+        assert gateway_health(server) == 200
+        assert "ImportError" not in server.proc.output()
+    finally:
+        server.proc.stop()
+
+
+def test_a_worker_that_cannot_start_is_an_error_naming_its_last_words(tmp_path):
+    """Every worker dies before serving: the server says so as an ERROR quoting the worker's own
+    output, /healthz is 503 naming it, and ctl workers shows why."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # Python imports sitecustomize from PYTHONPATH at start: this one ends a worker at once.
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if '--gateway-worker' in sys.argv:\n"
+        "    print('cannot open the widget: no such widget', file=sys.stderr, flush=True)\n"
+        "    os._exit(3)\n"
+    )
+    pythonpath = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    server = Server(tmp_path).start(env={"PYTHONPATH": pythonpath})
+    try:
+        line = wait_until(
+            lambda: next(
+                (
+                    ln
+                    for ln in server.proc.output().splitlines()
+                    if "ERROR" in ln and "gateway worker w0" in ln
+                ),
+                None,
+            ),
+            "an ERROR naming the worker",
+            deadline=60,
+            proc=server.proc,
+        )
+        assert "exited with status 3" in line, line
+        assert "cannot open the widget: no such widget" in server.proc.output()
+        host = server.endpoints["admin"]
+        request = urllib.request.Request(f"http://{host}/healthz")
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=30)
+        assert answer.value.code == 503
+        health = json.loads(answer.value.read())
+        assert health["status"] == "degraded"
+        assert any("w0" in p and "no such widget" in p for p in health["problems"]), health
+        listing = server.ctl("workers")
+        assert listing.returncode == 0 and "failing" in listing.stdout and "widget" in listing.stdout, listing
+        assert gateway_health(server) == 0  # nobody behind the port
     finally:
         server.proc.stop()
