@@ -39,6 +39,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, override
 
+from llmgw.core import listener_limits as limits
 from llmgw.core.catalog import Model, Profile, name_problem, validate_model, validate_profile
 from llmgw.core.engines import DEFAULT_BINARIES
 
@@ -351,6 +352,39 @@ class GatewayConfig:
     tenant_metrics: bool = False
     # Stop the workers when the server stops. false: they serve through a restart.
     stop_workers_on_exit: bool = False
+    # What the listener allows a client (llmgw.gateway.limits says why each default is what it
+    # is). A request's head must arrive within head_timeout; a kept-alive connection may stay
+    # idle keepalive_timeout between requests; a body must arrive within body_timeout plus its
+    # size at body_min_rate (bytes per second).
+    head_timeout: Duration = limits.HEAD_TIMEOUT
+    keepalive_timeout: Duration = limits.KEEPALIVE_TIMEOUT
+    body_timeout: Duration = limits.BODY_TIMEOUT
+    body_min_rate: PositiveInt = limits.BODY_MIN_RATE
+    # Bytes of one request body; of all the bodies a process holds at once (a request that does
+    # not fit waits body_budget_wait for room, then is answered 503).
+    max_body_bytes: PositiveInt = limits.MAX_BODY_BYTES
+    max_body_bytes_in_flight: PositiveInt = limits.MAX_BODY_BYTES_IN_FLIGHT
+    body_budget_wait: Duration = limits.BODY_BUDGET_WAIT
+    # Client connections per process (null: half the open-files limit, less a reserve); at the
+    # cap a connection that has sent no request yet makes room, else the new one is answered 503.
+    max_connections: PositiveInt | None = None
+    # Per client address (null: no cap). Behind a load balancer every client has its address:
+    # raise this or set null there.
+    max_connections_per_peer: PositiveInt | None = limits.MAX_CONNECTIONS_PER_PEER
+
+    def listener_limits(self) -> limits.ListenerLimits:
+        """The listener's bounds, as the gateway (in the server or a worker) takes them."""
+        return limits.ListenerLimits(
+            head_timeout=self.head_timeout,
+            keepalive_timeout=self.keepalive_timeout,
+            body_timeout=self.body_timeout,
+            body_min_rate=self.body_min_rate,
+            max_body_bytes=self.max_body_bytes,
+            max_body_bytes_in_flight=self.max_body_bytes_in_flight,
+            body_budget_wait=self.body_budget_wait,
+            max_connections=self.max_connections,
+            max_connections_per_peer=self.max_connections_per_peer,
+        )
 
 
 @attrs.frozen(kw_only=True)

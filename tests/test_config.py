@@ -24,6 +24,7 @@ from llmgw.config import (
     structure_catalog,
 )
 from llmgw.core.catalog import Model, Profile
+from llmgw.core.listener_limits import ListenerLimits
 from llmgw.core.shard import Adapter
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -972,3 +973,18 @@ def test_gateway_workers_default_to_one_per_core_this_server_may_use(monkeypatch
     for bad, said in (("many", 'got "many"'), ("true", "got true"), ("-1", "got -1"), ("257", "got 257")):
         with pytest.raises(ConfigError, match=f"gateway.workers: .*{said}"):
             parse_server_config(f"gateway: {{workers: {bad}}}")
+
+
+def test_the_gateway_listeners_bounds_are_read_and_a_bad_one_is_named() -> None:
+    config = parse_server_config(
+        "gateway: {head_timeout: 10s, keepalive_timeout: 1m, max_connections: 5000,"
+        " max_connections_per_peer: null, max_body_bytes_in_flight: 1048576}"
+    )
+    limits = config.gateway.listener_limits()
+    assert (limits.head_timeout, limits.keepalive_timeout) == (10.0, 60.0)
+    assert (limits.max_connections, limits.max_connections_per_peer) == (5000, None)
+    assert limits.max_body_bytes_in_flight == 1048576
+    assert parse_server_config("gateway: {}").gateway.listener_limits() == ListenerLimits()
+    for field, bad in [("max_connections", "0"), ("body_min_rate", "fast"), ("head_timeout", "-1")]:
+        with pytest.raises(ConfigError, match=f"gateway.{field}: "):
+            parse_server_config(f"gateway: {{{field}: {bad}}}")

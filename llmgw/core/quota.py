@@ -396,7 +396,20 @@ def estimate_tokens(payload: Mapping, body_size: int) -> int:
     The prompt's size is taken from the body's: its bytes are nearly all prompt (tool definitions
     and the like are prompt to the engine too), and encoding the messages again only to measure
     them would cost more than the rest of the request's path for a long conversation."""
-    completion = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    if not isinstance(completion, int) or completion <= 0:
-        completion = DEFAULT_COMPLETION_ESTIMATE
-    return completion + body_size // CHARS_PER_TOKEN + 1
+    prompt, completion = estimate_parts(payload, body_size)
+    return prompt + completion
+
+
+def estimate_parts(payload: Mapping, body_size: int) -> tuple[int, int]:
+    """The estimate as (prompt tokens, completion tokens): what a request is recorded at when its
+    engine never said what it used. ``n`` answers may each write up to the limit. Only JSON
+    integers count (a bool or a string is not one: the relay refuses those before this)."""
+    limit = payload.get("max_completion_tokens")
+    if limit is None:
+        limit = payload.get("max_tokens")
+    if type(limit) is not int or limit <= 0:
+        limit = DEFAULT_COMPLETION_ESTIMATE
+    n = payload.get("n")
+    if type(n) is not int or n <= 0:
+        n = 1
+    return body_size // CHARS_PER_TOKEN + 1, n * limit

@@ -90,6 +90,12 @@ class RequestRecord:
     # whole of a non-streaming answer. None if none went.
     first_byte: float | None = None
 
+    @property
+    def usage_missing(self) -> bool:
+        """An engine answered with success (the client may have had tokens) and said nothing of
+        its usage: the request is to be accounted at its estimate, flagged, never at 0."""
+        return self.usage is None and self.upstream is not None and 200 <= self.status < 300
+
 
 class Gate(Protocol):
     def authenticate(self, authorization: str | None) -> Any:

@@ -38,6 +38,11 @@ class H11Stream:
             data = await self._raw.receive(RECEIVE_SIZE)
             self.conn.receive_data(data)
 
+    async def receive(self) -> None:
+        """One read from the socket into the parser (b"": the peer closed), without parsing: for
+        waiting on a kept-alive connection until the next request begins."""
+        self.conn.receive_data(await self._raw.receive(RECEIVE_SIZE))
+
     def reusable(self) -> bool:
         """Whether both sides finished their message cleanly, so the connection can carry another."""
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE

@@ -123,6 +123,8 @@ class GatewayMetrics:
         self._answer: Callable[[], bytes] | None = None
         self.connections_open = 0
         self.connections_accepted = 0
+        # Refused at once for want of room (the process's or the peer's cap).
+        self.connections_refused = 0
         self.registry.register(_LiveGauges(gate, engines, self))
         self._by_replica: dict[tuple[str, str], Any] = {}
         self._by_route: dict[tuple[str, str, str], Any] = {}
@@ -263,7 +265,12 @@ class _LiveGauges:
             "llmgw_gateway_connections_accepted", "Client connections the gateway accepted"
         )
         accepted.add_metric([], self._owner.connections_accepted)
-        return [queue, running, waiting, saturation, connections, accepted]
+        refused = CounterMetricFamily(
+            "llmgw_gateway_connections_refused",
+            "Client connections the gateway refused at once: its connection cap, or the peer's, was reached",
+        )
+        refused.add_metric([], self._owner.connections_refused)
+        return [queue, running, waiting, saturation, connections, accepted, refused]
 
 
 def _engine_family(what: str, help_text: str) -> GaugeMetricFamily:

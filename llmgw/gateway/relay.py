@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -63,6 +63,13 @@ _UPSTREAM_FAILURES = (trio.BrokenResourceError, EngineFailed, OSError)
 MAX_CACHED_HEADS = 1024
 # How often the silence watch looks, per upstream timeout: the precision of a cut.
 WATCHES_PER_TIMEOUT = 4
+# Members of a request body that select an engine's adapter or model by other means than `model`:
+# SGLang's lora_path, vLLM's lora_request / lora_name, llama.cpp's lora. Only the gateway sets them
+# (an Upstream's body_members), after its own checks of what the key may use: from a client, they
+# would let a key limited to a base model reach another tenant's adapter.
+ENGINE_SELECTING_MEMBERS = ("lora_path", "lora_request", "lora_name", "lora")
+_SELECTING_HINT = b'"lora'  # a cheap test before any of them is looked for
+
 # gen_ai.operation.name per path (OpenTelemetry's GenAI semantic conventions).
 OPERATIONS = {
     "/v1/chat/completions": "chat",
@@ -139,7 +146,7 @@ class Relay:
 
     def models(self, authorization: str | None) -> list[tuple[str, str | None]]:
         """GET /v1/models: the served models this caller may use, each with its base model when
-        it is an adapter (None when it is not)."""
+        it is an adapter (None when it is not). 401 (GatewayError) for an unknown key."""
         served = self.router.models()
         if self.gate is not None:
             served = self.gate.models(self.gate.authenticate(authorization), served)
@@ -149,12 +156,14 @@ class Relay:
         self,
         client: Responder,
         path: str,
-        body: bytes,
+        body: bytes | Callable[[], Awaitable[bytes]],
         authorization: str | None = None,
         trace_context: dict[str, str] | None = None,
     ) -> None:
-        """Answers one model request. ``trace_context``: the client's traceparent (and
-        tracestate) headers, when tracing is on."""
+        """Answers one model request. ``body``: the body, or what reads it, called once the key
+        was accepted, so that an unknown caller never makes the process hold one; a refusal
+        before it was read closes the connection (the caller lingers). ``trace_context``: the
+        client's traceparent (and tracestate) headers, when tracing is on."""
         record = RequestRecord(path=path, started=trio.current_time())
         if not tracing.enabled():  # the one check a request pays for tracing when it is off
             await self._answer(client, path, body, authorization, record, tracing.NO_SPAN)
@@ -176,7 +185,7 @@ class Relay:
         self,
         client: Responder,
         path: str,
-        body: bytes,
+        read: bytes | Callable[[], Awaitable[bytes]],
         authorization: str | None,
         record: RequestRecord,
         span: Any,
@@ -184,6 +193,7 @@ class Relay:
         """``span``: the request's (current), or NO_SPAN: then nothing here touches tracing."""
         traced = span is not tracing.NO_SPAN
         ticket = None
+        body = read if isinstance(read, bytes) else None
         try:
             if self.gate is None:
                 caller = None
@@ -192,10 +202,15 @@ class Relay:
                     caller = self.gate.authenticate(authorization)
             else:
                 caller = self.gate.authenticate(authorization)
+            if body is None:
+                body = await read()  # type: ignore[operator]
             payload = _json_object(body)
             model = payload.get("model")
-            if not isinstance(model, str):
-                raise GatewayError(400, "the body has no 'model' string", code="missing_model")
+            if model is None:
+                raise GatewayError(400, "the body has no 'model' string", code="missing_model", param="model")
+            check_fields(payload)
+            if _SELECTING_HINT in body:
+                body = _without_selecting_members(payload, body)
             record.model = model
             if traced:
                 _request_attributes(span, model, payload)
@@ -206,7 +221,8 @@ class Relay:
             await self._forward(client, path, payload, body, record, ticket, traced)
         except GatewayError as error:
             record.status = error.status
-            await client.error(error)
+            # Refused before its body was read: the connection cannot carry another request.
+            await client.error(error, close=body is None)
             record.completed = True
             if traced and error.status >= 500:  # the gateway's failure; a 4xx is the client's
                 tracing.fail(span, f"{error.status} {error.code}: {error}")
@@ -228,12 +244,13 @@ class Relay:
         traced: bool = False,
     ) -> None:
         model = record.model
-        record.stream = payload.get("stream") is True
+        record.stream = payload.get("stream") is True  # check_fields: a bool, or null / absent
         strip_usage = False
         if record.stream:
             options = payload.get("stream_options")
-            if options is None or isinstance(options, dict) and not options.get("include_usage"):
-                # Ask for the usage chunk, and take it out again: the client did not ask for it.
+            if options is None or options.get("include_usage") is not True:
+                # Always ask for the usage chunk (it is what the request is billed at), and take
+                # it out again when the client did not ask for it.
                 strip_usage = True
                 if "stream_options" not in payload:
                     body = _usage_requested(body)
@@ -516,6 +533,50 @@ def _end_request_span(span: Any, record: RequestRecord) -> None:
     if not record.completed:
         tracing.fail(span, "the answer did not reach the client whole")
     tracing.end(span, end_time=tracing.epoch(record.finished, now))
+
+
+def _is_count(value: Any) -> bool:
+    """A JSON integer >= 1 (a bool is not one, though Python says it is an int)."""
+    return type(value) is int and value >= 1
+
+
+def check_fields(payload: dict) -> None:
+    """The members the gateway acts on (routing, billing, the usage it asks for) have the JSON
+    types OpenAI's API documents, else 400 naming the member. Engines parse leniently (vLLM and
+    SGLang read "true", 1 or "yes" as a stream): a value the gateway read one way and the engine
+    another would be served unbilled."""
+    if not isinstance(payload.get("model"), str):
+        _bad("model", "a string")
+    stream = payload.get("stream")
+    if stream is not None and type(stream) is not bool:
+        _bad("stream", "a boolean")
+    options = payload.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            _bad("stream_options", "an object")
+        include = options.get("include_usage")
+        if include is not None and type(include) is not bool:
+            _bad("stream_options.include_usage", "a boolean")
+    for member in ("max_tokens", "max_completion_tokens", "n"):
+        value = payload.get(member)
+        if value is not None and not _is_count(value):
+            _bad(member, "an integer >= 1")
+
+
+def _bad(member: str, expected: str) -> None:
+    raise GatewayError(
+        400, f"Invalid type for '{member}': expected {expected}", code="invalid_type", param=member
+    )
+
+
+def _without_selecting_members(payload: dict, body: bytes) -> bytes:
+    """`body` without the client's ENGINE_SELECTING_MEMBERS (`payload` loses them too)."""
+    found = [member for member in ENGINE_SELECTING_MEMBERS if member in payload]
+    if not found:
+        return body  # the bytes were in a string, not a key
+    for member in found:
+        del payload[member]
+    return json.dumps(payload, separators=(",", ":")).encode()
 
 
 def _json_object(body: bytes) -> dict:

@@ -60,6 +60,12 @@ log = logging.getLogger(__name__)
 # hypercorn's errors, under our name. Its info lines only announce the bind, which run.py's
 # "llmgw server up" line already says with the port resolved.
 _hypercorn_log = log.getChild("hypercorn")
+# A connection that sends nothing for this long is closed, mid-head or mid-body as well:
+# hypercorn's keep-alive timeout runs only between requests, so without this a client that
+# sent half a head held its connection (and a descriptor) forever.
+ADMIN_READ_TIMEOUT = 30
+# Between requests: ctl and a browser on the status pages reuse a connection between clicks.
+ADMIN_KEEP_ALIVE_TIMEOUT = 30.0
 _hypercorn_log.setLevel(logging.WARNING)
 
 # Checked on the whole /admin/ tree, not just /admin/v1/, so that an unauthenticated client
@@ -106,6 +112,8 @@ async def serve_admin(
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None  # a line per request tells an operator nothing
+    config.read_timeout = ADMIN_READ_TIMEOUT
+    config.keep_alive_timeout = ADMIN_KEEP_ALIVE_TIMEOUT
     # Given a name instead of a Logger, hypercorn replaces that logger's handlers with its own
     # stderr handler; handing it ours keeps its messages in llmgw's logging setup.
     config.errorlog = _hypercorn_log

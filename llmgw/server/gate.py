@@ -32,7 +32,7 @@ import trio
 
 from llmgw import tracing
 from llmgw.core.admission import AdmissionLane, Arrival, Go, Rejected
-from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation, estimate_tokens
+from llmgw.core.quota import Limits, QuotaBook, Refused, Reservation, estimate_parts
 from llmgw.core.routing import PREFIX, prefix_key
 from llmgw.gateway import GatewayError, RequestRecord, Upstream
 from llmgw.server.routing import Routes
@@ -110,6 +110,9 @@ class Ticket:
     adapter: str | None = None  # the adapter the request named, if it named one
     replica: str = ""  # the replica charged with the request's slot
     upstreams: tuple[Upstream, ...] = ()  # where to send it, best first
+    # The estimate reserved, as (prompt, completion) tokens: what the request is recorded at
+    # when its engine answered without saying what it used.
+    estimate: tuple[int, int] = (0, 0)
 
 
 @attrs.define(eq=False)
@@ -225,7 +228,8 @@ class ControlPlaneGate:
             if adapter is not None:
                 request_span.set_attribute("llmgw.adapter", adapter)
             quota_span = tracing.start("gateway.quota")
-        reserved = await self._reserve(quotas, estimate_tokens(payload, body_size), now)
+        estimate = estimate_parts(payload, body_size)
+        reserved = await self._reserve(quotas, sum(estimate), now)
         now = trio.current_time()
         if isinstance(reserved, Refused):
             who = "this API key" if reserved.subject[0] == "key" else f"tenant '{caller.tenant}'"
@@ -241,7 +245,12 @@ class ControlPlaneGate:
         if traced:
             tracing.end(quota_span)
         ticket = Ticket(
-            key=caller, model=model, reservation=reserved, wall_started=time.time(), adapter=adapter
+            key=caller,
+            model=model,
+            reservation=reserved,
+            wall_started=time.time(),
+            adapter=adapter,
+            estimate=estimate,
         )
         if traced:
             waited = tracing.start("gateway.admission", {"llmgw.model": model, "llmgw.band": caller.band})
@@ -345,6 +354,14 @@ class ControlPlaneGate:
             self._quotas.settle(ticket.reservation, ticket.reservation.estimate_tokens)
         if self._usage is not None:
             usage = record.usage
+            if usage is not None:
+                prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, 0
+            elif record.usage_missing:
+                # Served, but the engine never said what it used (a stream cut short, an engine
+                # that ignores include_usage): the estimate, flagged as one, rather than 0.
+                (prompt, completion), estimated = ticket.estimate, 1
+            else:
+                prompt, completion, estimated = 0, 0, 0
             self._usage.record(
                 UsageRecord(
                     time=ticket.wall_started,
@@ -353,10 +370,11 @@ class ControlPlaneGate:
                     model=ticket.model,
                     adapter=ticket.adapter or "",
                     replica=f"{record.upstream.host}:{record.upstream.port}" if record.upstream else "",
-                    prompt_tokens=usage.prompt_tokens if usage else 0,
-                    completion_tokens=usage.completion_tokens if usage else 0,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
                     latency_ms=(record.finished - record.started) * 1000,
                     status=record.status,
+                    estimated=estimated,
                 )
             )
         self._dispatch(ticket.model, trio.current_time())

@@ -310,7 +310,13 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 gateway_port = await nursery.start(pool.run)
             else:
                 gateway_port = await nursery.start(
-                    functools.partial(serve_gateway, router, gate=gate, metrics=metrics),
+                    functools.partial(
+                        serve_gateway,
+                        router,
+                        gate=gate,
+                        metrics=metrics,
+                        limits=config.gateway.listener_limits(),
+                    ),
                     config.gateway.listen.host,
                     config.gateway.listen.port,
                 )

@@ -33,6 +33,7 @@ import trio
 from llmgw.config import TracingConfig
 from llmgw.core.leases import RENEW_INTERVAL, LeaseGrant, LeaseReport, WorkerLeases
 from llmgw.core.leases import Waiting as LeaseWaiting
+from llmgw.core.listener_limits import ListenerLimits
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import serve_gateway
 from llmgw.gateway.contract import RequestRecord, Upstream
@@ -84,6 +85,8 @@ class WorkerSpec:
     # collector's headers are secrets.
     tracing: TracingConfig = attrs.field(factory=TracingConfig)
     tenant_metrics: bool = False  # gateway.tenant_metrics
+    # The gateway section's deadlines and caps on client connections (GatewayConfig.listener_limits).
+    listener: ListenerLimits = attrs.field(factory=ListenerLimits)
 
     @property
     def dir(self) -> Path:
@@ -354,6 +357,7 @@ class Worker:
                         metrics=self.metrics,
                         fresh=self.state.fresh,
                         listeners=[trio.SocketListener(sock)],
+                        limits=self.spec.listener,
                         task_status=task_status,
                     )
                 )

@@ -305,7 +305,7 @@ async def test_errors_are_openai_shaped(nursery):
     for request, status, code in cases:
         got_status, body = await gateway.call(*request)
         assert (got_status, body["error"]["code"]) == (status, code), request
-        assert set(body["error"]) == {"message", "type", "code"}
+        assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_a_silent_engine_is_504(nursery):

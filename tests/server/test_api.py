@@ -19,6 +19,7 @@ from llmgw.core.liveness import Liveness
 from llmgw.core.quota import Limits
 from llmgw.ctl.client import AdminClient, CtlError
 from llmgw.server import api, tokens
+from llmgw.server import api as api_module
 from llmgw.server.api import serve_admin
 from llmgw.server.catalog import Catalog
 from llmgw.server.nodes import NodeRegistry
@@ -118,6 +119,32 @@ async def fetch(
     method: str, url: str, token: str | None = ADMIN_TOKEN, body: object = None
 ) -> tuple[int, dict]:
     return await trio.to_thread.run_sync(admin_call, method, url, token, body)
+
+
+@pytest.fixture
+def short_admin_timeouts(monkeypatch):
+    monkeypatch.setattr(api_module, "ADMIN_READ_TIMEOUT", 1)
+    monkeypatch.setattr(api_module, "ADMIN_KEEP_ALIVE_TIMEOUT", 1.0)
+
+
+async def read_until_closed(stream: trio.SocketStream, within: float) -> bytes:
+    answer = b""
+    with trio.fail_after(within):
+        while data := await stream.receive_some(65536):
+            answer += data
+    return answer
+
+
+async def test_a_half_sent_head_and_an_idle_keep_alive_are_closed(short_admin_timeouts, admin: Api):
+    port = int(admin.url.rsplit(":", 1)[1])
+    silent = await trio.open_tcp_stream("127.0.0.1", port)
+    await silent.send_all(b"GET /healthz HTTP/1.1\r\nhost: admin\r\n")  # and never the rest
+    await read_until_closed(silent, within=15.0)
+    await silent.aclose()
+    idle = await trio.open_tcp_stream("127.0.0.1", port)
+    await idle.send_all(b"GET /healthz HTTP/1.1\r\nhost: admin\r\n\r\n")
+    assert (await read_until_closed(idle, within=15.0)).startswith(b"HTTP/1.1 200")
+    await idle.aclose()
 
 
 async def test_healthz_needs_no_token(admin: Api):

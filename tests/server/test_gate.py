@@ -405,6 +405,31 @@ def test_estimates_count_the_prompt_and_the_most_it_may_write():
     )
 
 
+def test_estimates_count_every_completion_asked_for():
+    one = estimate_tokens({"max_tokens": 100}, 0)
+    assert estimate_tokens({"max_tokens": 100, "n": 4}, 0) == 4 * 100 + 1 == 4 * (one - 1) + 1
+    # Without a limit, n typical answers; an n the relay would refuse counts as one.
+    assert estimate_tokens({"n": 3}, 0) == 3 * DEFAULT_COMPLETION_ESTIMATE + 1
+    assert estimate_tokens({"n": "3"}, 0) == estimate_tokens({}, 0)
+    # A string limit (refused by the relay) is never taken as a number, nor as no limit at all.
+    assert estimate_tokens({"max_tokens": "100000"}, 0) == DEFAULT_COMPLETION_ESTIMATE + 1
+
+
+async def test_an_answer_without_usage_is_recorded_at_the_estimate_and_flagged_never_as_zero():
+    usage = Usages()
+    g = gate(Keys(("s", ALICE)), usage=usage)
+    payload, size = chat(max_tokens=50)
+    ticket = await g.admit(ALICE, "m", payload, size)
+    g.finish(ticket, served(None))  # the engine said nothing of its usage
+    ticket = await g.admit(ALICE, "m", payload, size)
+    g.finish(ticket, served(Usage(4, 6, 10)))
+    estimated, measured = usage.records
+    assert (estimated.prompt_tokens, estimated.completion_tokens) == (size // CHARS_PER_TOKEN + 1, 50)
+    assert estimated.prompt_tokens + estimated.completion_tokens == estimate_tokens(payload, size)
+    assert estimated.estimated == 1
+    assert (measured.prompt_tokens, measured.completion_tokens, measured.estimated) == (4, 6, 0)
+
+
 # --- adapters ---------------------------------------------------------------------------------
 
 

@@ -69,6 +69,9 @@ class UsageRecord:
     # The adapter the request named ('' for the base model); ``model`` is then its base. Last,
     # with a default: journal lines written before it existed still read.
     adapter: str = ""
+    # 1 when the tokens are the gateway's estimate: the engine answered without its usage. An
+    # int, not a bool: both backends store it as an integer column.
+    estimated: int = 0
 
 
 @attrs.frozen

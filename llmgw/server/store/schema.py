@@ -188,6 +188,14 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ){strict};
         """,
     ),
+    (
+        10,
+        """
+        -- 1 when a request's tokens are the gateway's estimate: its engine answered without
+        -- saying what it used (a stream cut short, an engine ignoring include_usage).
+        ALTER TABLE usage ADD COLUMN estimated {int} NOT NULL DEFAULT 0;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
