@@ -256,6 +256,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                 tracing=config.tracing,
                 lease_ttl=config.gateway.lease_ttl,
                 tenant_metrics=config.gateway.tenant_metrics,
+                listener=config.gateway.listener_limits(),
             )
             pool.need_adapter = loads.need
             loads.quiesce = pool.quiesce

@@ -33,6 +33,7 @@ import trio
 from llmgw.config import TracingConfig
 from llmgw.core.backoff import reconnect_delay
 from llmgw.core.leases import LEASE_TTL, LeaseLedger, LeaseReport
+from llmgw.core.listener_limits import ListenerLimits
 from llmgw.core.quota import Limits
 from llmgw.gateway.errors import GatewayError
 from llmgw.procfs import start_time_of
@@ -147,7 +148,9 @@ class WorkerPool:
         tracing: TracingConfig | None = None,
         lease_ttl: float = LEASE_TTL,
         tenant_metrics: bool = False,
+        listener: ListenerLimits | None = None,
     ) -> None:
+        self._listener = listener or ListenerLimits()  # the gateway's deadlines and caps, per worker
         self._tenant_metrics = tenant_metrics
         self._directory = directory
         self._lease_ttl = lease_ttl
@@ -460,6 +463,7 @@ class WorkerPool:
             leased=self._count > 1,
             tenant_metrics=self._tenant_metrics,
             tracing=self._tracing,
+            listener=self._listener,
         )
 
     async def _start(self, worker: _Worker) -> None:
