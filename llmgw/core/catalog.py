@@ -186,7 +186,7 @@ def _field_reasons(profile: Profile, models: Mapping[str, Model]) -> list[tuple[
         if engine.installed_build is None:
             reasons.append(("engine_version", f"agents install no versions of {name}"))
         elif engine.python_package is not None:
-            if problem := installs.python_version_problem(profile.engine_version):
+            if problem := installs.python_version_problem(profile.engine_version, engine.python_variants):
                 reasons.append(("engine_version", problem))
         elif problem := installs.version_problem(profile.engine_version):
             reasons.append(("engine_version", problem))

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from llmgw.core.engines import DEFAULT_BINARIES, ENGINES, EngineBinaries, build_plan, get
+from llmgw.core.engines import DEFAULT_BINARIES, ENGINES, EngineBinaries, HelpCheck, build_plan, get
 from llmgw.core.shard import ShardSpec
 
 # An option token: a dash or two, then a name that ends in a letter or digit. Neither a word
@@ -121,14 +121,17 @@ def widest_specs() -> dict[str, tuple[tuple[str, ShardSpec], ...]]:
     return {name: engine.help.widest_specs for name, engine in ENGINES.items()}
 
 
-def widest_commands(engine: str, binaries: EngineBinaries | None = None) -> tuple[CheckedCommand, ...]:
-    """The engine commands of ``widest_specs()[engine]``, built by the same builders the agent runs.
+def widest_commands(
+    engine: str, binaries: EngineBinaries | None = None, check: HelpCheck | None = None
+) -> tuple[CheckedCommand, ...]:
+    """The engine commands of ``widest_specs()[engine]`` (of ``check``'s, a variant's, when
+    given), built by the same builders the agent runs.
 
     Only commands named "engine" are the engine's: a Ray worker node runs `ray start` alone, whose
     flags are Ray's, not vLLM's.
     """
     binaries = binaries or DEFAULT_BINARIES
-    check = get(engine).help
+    check = check or get(engine).help
     prefix = check.argv_prefix
     commands = []
     for label, spec in check.widest_specs:

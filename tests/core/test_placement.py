@@ -124,8 +124,8 @@ def test_a_valid_profile_has_no_errors():
             "profiles.chat.model: llama.cpp loads gguf, and 'llama-3-70b' is safetensors",
         ),
         (
-            {"gpu_class": None, "gpus_per_node": 0, "tensor_parallel": 1},
-            "profiles.chat.gpu_class: vLLM needs GPUs and none is set (only llama.cpp runs on the CPU)",
+            {"engine": "sglang", "gpu_class": None, "gpus_per_node": 0, "tensor_parallel": 1},
+            "profiles.chat.gpu_class: SGLang needs GPUs and none is set (only vLLM and llama.cpp run on the CPU)",
         ),
         (
             {"gpus_per_node": 0, "tensor_parallel": 1},

