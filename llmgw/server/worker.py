@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +45,7 @@ from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.journal import JournalWriter
 from llmgw.server.routing import Route
 from llmgw.server.routing import Routes as ModelRoutes
-from llmgw.server.scrape import EngineSample
+from llmgw.server.scrape import SCRAPE_INTERVAL, EngineSample
 from llmgw.server.tenants import KeyRecord, Tenant, key_id_of
 from llmgw.server.tokens import matches
 from llmgw.server.worker_link import (
@@ -62,6 +63,13 @@ from llmgw.server.worker_link import (
 from llmgw.server.worker_metrics import WRITE_INTERVAL, SharedExposition, WorkerInfo
 
 log = logging.getLogger(__name__)
+
+# The engines' loads come with the routes, which the control plane pushes after every scrape
+# round. Past three missed rounds (the server killed, stopped or cut off) a load is no evidence of
+# anything: a replica last seen full would stay full to this worker for good, and every request
+# would wait for room it has. Then the worker routes by its slots alone, as before the first scrape.
+LOADS_STALE_AFTER = 3 * SCRAPE_INTERVAL
+LOADS_CHECK = 1.0
 
 # How long a request waits for the control plane to have its adapter loaded: the server's own
 # bound (server.adapter_loads.LOAD_TIMEOUT), and a little for the answer to travel.
@@ -128,6 +136,7 @@ class PushedState:
         self._slots_of = slots
         self._live = live
         self._pushed: Routes | None = None
+        self._pushed_at = -math.inf  # trio time of the last routes (and loads) pushed
         self._keys: dict[str, tuple[KeyRecord, bytes]] = {}
         self._tenants: dict[str, Tenant] = {}
         self._routes: dict[str, ModelRoutes] = {}
@@ -139,6 +148,13 @@ class PushedState:
         self.have_routes = False
         self.routes_version = 0  # the pushed Routes' version
         self.routes_taken = trio.Event()  # set (and replaced) as each Routes is taken
+
+    def loads_stale(self, now: float) -> bool:
+        """The pushed engine loads are too old to route by (see LOADS_STALE_AFTER)."""
+        return now - self._pushed_at > LOADS_STALE_AFTER
+
+    def has_loads(self) -> bool:
+        return bool(self._samples)
 
     def fresh(self) -> bool:
         """Ready to serve: it has had both halves of the state at least once (and its shares,
@@ -163,6 +179,7 @@ class PushedState:
 
     def take_routes(self, routes: Routes) -> None:
         self._pushed = routes
+        self._pushed_at = trio.current_time()
         self.rebuild()
         self.routes_version = routes.version
         self.routes_taken.set()
@@ -173,15 +190,17 @@ class PushedState:
         routes = self._pushed
         if routes is None:
             return
+        loads_known = not self.loads_stale(trio.current_time())
         built: dict[str, ModelRoutes] = {}
         samples: dict[str, EngineSample] = {}
         for model in routes.models:
             replicas = []
             for r in model.replicas:
+                known = loads_known and r.running is not None
                 load = (
-                    None
-                    if r.running is None
-                    else EngineLoad(running=r.running, waiting=r.waiting, saturation=r.saturation)
+                    EngineLoad(running=r.running, waiting=r.waiting, saturation=r.saturation)
+                    if known
+                    else None
                 )
                 upstream = Upstream(
                     host=r.host,
@@ -198,7 +217,7 @@ class PushedState:
                 replicas.append(
                     Route(replica=r.replica, upstream=upstream, slots=slots, load=load, adapters=adapters)
                 )
-                if r.running is not None:
+                if known:
                     samples[r.replica] = EngineSample(model.model, "", r.running, r.waiting, r.saturation)
             built[model.model] = ModelRoutes(
                 policy=model.policy,
@@ -309,6 +328,15 @@ class Worker:
             slots=tuple(sorted(self.leases.slot_shares().items())),
         )
 
+    async def _expire_loads(self) -> None:
+        """Drops the engines' loads once no control plane has refreshed them for a while."""
+        while True:
+            await trio.sleep(LOADS_CHECK)
+            if self.state.has_loads() and self.state.loads_stale(trio.current_time()):
+                log.info("engine loads not refreshed for %.0f s: routing by slots alone", LOADS_STALE_AFTER)
+                self.state.rebuild()
+                self.gate.redispatch()
+
     async def _write_metrics(self) -> None:
         while True:
             try:
@@ -334,6 +362,7 @@ class Worker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.serve_listeners, self._serve_control, [control])
                 nursery.start_soon(self._write_metrics)
+                nursery.start_soon(self._expire_loads)
                 log.info(
                     "gateway worker %s (pid %d) on %s:%d",
                     self.spec.id,

@@ -34,7 +34,7 @@ def on_demand_router(held: dict[str, list[str]], slots: int = 4) -> ReplicaRoute
     return router
 
 
-def test_on_demand_routes_offer_only_what_each_engine_holds_here_and_in_a_worker():
+async def test_on_demand_routes_offer_only_what_each_engine_holds_here_and_in_a_worker():
     held = {"r1": ["a"]}
     router = on_demand_router(held)
     routes = router.routes("m")
