@@ -61,19 +61,15 @@ def fleet(engine_user):
         reconcile={"engine_port_min": engine_port, "engine_port_max": engine_port + 9},
     ).start()
     agent = None
+    engines = {
+        "run_as": engine_user,
+        "stop_grace": "10s",
+        "stop_shards_on_exit": True,
+        "engines_dir": str(engines_dir),
+        "venv_python": str(SYSTEM_PYTHON),
+    }
     try:
-        agent = start_agent(
-            tmp,
-            server,
-            NODE,
-            engines={
-                "run_as": engine_user,
-                "stop_grace": "10s",
-                "stop_shards_on_exit": True,
-                "engines_dir": str(engines_dir),
-                "venv_python": str(SYSTEM_PYTHON),
-            },
-        )
+        agent = start_agent(tmp, server, NODE, engines=engines)
         wait_until(lambda: server.nodes().get(NODE, {}).get("connected"), "the agent to register", proc=agent)
         catalog = write_yaml(
             tmp / "catalog.yaml",
@@ -96,7 +92,7 @@ def fleet(engine_user):
             return found[0] if found else None
 
         replica = wait_until(ready, "a Ready vLLM replica", deadline=READY_DEADLINE, proc=agent)
-        yield server, agent, key, replica, tmp
+        yield server, agent, key, replica, engines
     finally:
         try:
             if agent is not None:
@@ -114,7 +110,7 @@ def client(server: Server, key: str) -> openai.OpenAI:
 
 
 def test_a_vllm_cpu_replica_answers_chat_completion_and_stream_through_the_gateway(fleet):
-    server, _agent, key, _replica, _tmp = fleet
+    server, _agent, key, _replica, _engines = fleet
     sdk = client(server, key)
     assert [m.id for m in sdk.models.list().data] == [MODEL]
     chat = sdk.chat.completions.create(
@@ -160,7 +156,7 @@ def engine_status(port: int, method: str, path: str, key: str | None, body: dict
 def test_the_engine_answers_its_api_only_with_the_engine_key(fleet):
     """vLLM's own key check covers /v1 alone; every inference path of the engine port must ask for
     the replica's engine key, which only the gateway holds."""
-    server, _agent, _key, replica, _tmp = fleet
+    server, _agent, _key, replica, _engines = fleet
     port = replica["shards"][0]["port"]
     engine_key = server.admin("GET", f"/admin/v1/replicas/{replica['id']}/engine-key")["key"]
     completion = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
@@ -198,3 +194,43 @@ def test_engine_check_reads_the_cpu_builds_help_where_the_agent_installed_it():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"vllm-{VLLM_CPU_VERSION}" in done.stdout and "every flag accepted" in done.stdout, done.stdout
+
+
+def test_the_scraper_reads_the_real_engines_load(fleet):
+    """The server's scrape of the engine's own /metrics (vllm:num_requests_running, _waiting,
+    kv_cache_usage_perc): the replica's load, as the router and the scaler read it."""
+    server, _agent, _key, replica, _engines = fleet
+
+    def load():
+        view = server.admin("GET", f"/admin/v1/replicas/{replica['id']}")
+        return view["load"]
+
+    seen = wait_until(load, "the engine's load to be scraped", deadline=60)
+    assert seen["running"] == 0 and seen["waiting"] == 0
+    assert seen["saturation"] is not None and 0.0 <= seen["saturation"] <= 1.0
+
+
+def test_an_agent_killed_with_9_adopts_the_running_vllm_and_it_keeps_serving(fleet):
+    """Last in this module: the agent it leaves running is this test's own."""
+    server, agent, key, replica, engines = fleet
+    shard_id = replica["shards"][0]["shard_id"]
+
+    def shard():
+        shards = {s["shard_id"]: s for s in server.admin("GET", f"/admin/v1/nodes/{NODE}")["shards"]}
+        return shards.get(shard_id)
+
+    pid = shard()["pid"]
+    agent.kill9()
+    again = start_agent(Path(server.tmp), server, NODE, engines=engines)
+    try:
+        adopted = wait_until(
+            lambda: (s := shard()) and s["state"] == "Ready" and s["adopted"] and s,
+            "the adopted vLLM shard to be Ready",
+            deadline=120,
+            proc=again,
+        )
+        assert adopted["pid"] == pid  # the same process: vLLM was not started again
+        answer = client(server, key).completions.create(model=MODEL, prompt="The sky is", max_tokens=4)
+        assert answer.choices[0].text
+    finally:
+        again.stop()
