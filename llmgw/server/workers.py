@@ -121,7 +121,7 @@ class _Worker:
     # The ledger has had a lease report from it: a grant answers a report, so none is pushed
     # before the first (a restarted server's ledger has heard from nobody yet).
     lease_reported: bool = False
-    # Why its last process ended before serving, with the end of its output; None once it serves.
+    # How its last process ended, with the end of its output; None once it serves again.
     failure: str | None = None
     # When this server last heard a lease report from it (or took it on): a worker silent for a
     # lease's length is killed, since only a worker known gone gives its shares back.
