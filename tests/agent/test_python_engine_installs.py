@@ -81,7 +81,8 @@ async def test_pinned_releases_are_installed_offline_once_each_and_run_from_thei
     # The shard's command lines name the environment's entry points, and they run.
     binaries = installs.binaries(spec("vllm", "0.33.0"), EngineBinaries())
     assert binaries.vllm == str(vllm_venv / "bin" / "vllm") and binaries.ray == str(vllm_venv / "bin" / "ray")
-    assert binaries.python == "python3" and binaries.llama_server == "llama-server"
+    # Its Python too: vLLM's CPU build is started by module with it.
+    assert binaries.python == str(vllm_venv / "bin" / "python") and binaries.llama_server == "llama-server"
     assert installs.binaries(spec("sglang", "0.5.23"), EngineBinaries()).python == str(
         sglang_venv / "bin" / "python"
     )
