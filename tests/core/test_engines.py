@@ -616,3 +616,41 @@ def test_vllms_cpu_build_runs_by_module_with_its_cache_and_threads_from_the_rese
     # A node's own vLLM (no pin) is started as `vllm serve`, on the CPU as on GPUs.
     (own,) = build_plan(attrs.evolve(cpu, engine_version=None), engine_key=KEY, binaries=BINARIES).commands
     assert own.argv[:3] == (BINARIES.vllm, "serve", cpu.model_path)
+
+
+async def test_the_cpu_builds_key_guard_asks_for_the_key_on_every_path_but_health(monkeypatch) -> None:
+    """GUARD_PROGRAM's middleware, run as an ASGI app in front of one that always answers 200
+    (the real vLLM behind it is tests/e2e/test_vllm_cpu.py's)."""
+    import sys
+
+    from llmgw.core.engines import vllm
+
+    assert f'types.ModuleType("{vllm.GUARD_MODULE}")' in vllm.GUARD_PROGRAM
+    monkeypatch.setenv("VLLM_API_KEY", "sekrit")
+    namespace: dict = {}
+    # Everything but the last line, which would start vLLM.
+    exec(vllm.GUARD_PROGRAM.replace("runpy.run_module(", "(lambda *a, **k: None)("), namespace)
+    sys.modules.pop(vllm.GUARD_MODULE, None)  # the program registers it, for vLLM to import
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = namespace["RequireKey"](inner)
+
+    async def status(path: str, authorization: str | None) -> int:
+        headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        await guard({"type": "http", "path": path, "headers": headers}, None, send)
+        return sent[0]["status"]
+
+    for path in ("/v1/models", "/invocations", "/tokenize", "/pooling", "/metrics"):
+        assert await status(path, None) == 401
+        assert await status(path, "Bearer wrong") == 401
+        assert await status(path, "Basic sekrit") == 401
+        assert await status(path, "Bearer sekrit") == 200
+    assert await status("/health", None) == 200
