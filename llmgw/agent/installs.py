@@ -208,7 +208,7 @@ class EngineInstalls:
         entry = Path(venv / "bin" / engine.python_binaries[0])
         await trio.to_thread.run_sync(_check_entry, root, entry, f"{label}: pip installed {requirement}")
         problem = None
-        check = build.help if build and build.help else engine.help
+        check = engine.help_for(version)
         if check.program in engine.python_binaries:
             problem = await _check_flags(engine, venv / "bin" / check.program, label, on_progress, check)
         await trio.to_thread.run_sync(_mark_done, root, {"what": requirement, "check_problem": problem})

