@@ -30,7 +30,7 @@ from pathlib import Path
 
 import trio
 import yaml
-from benchproc import BenchError, Child, wait_for, write_private
+from benchproc import BenchError, Child, loopback_server_config, wait_for, write_private
 
 DEADLINE_S = 60.0  # for the server to come up
 CONNECT_TIMEOUT_S = 2.0
@@ -48,16 +48,10 @@ class Server:
     def __init__(self, work: Path, per_peer: int | None) -> None:
         self.work = work
         self.data_dir = work / "server"
-        gateway: dict = {"listen": "127.0.0.1:0", "workers": 0}
+        gateway: dict = {"workers": 0}
         if per_peer is not None:
             gateway["max_connections_per_peer"] = per_peer
-        config = {
-            "data_dir": str(self.data_dir),
-            "log_level": "warning",
-            "link": {"listen": "127.0.0.1:0"},
-            "admin": {"listen": "127.0.0.1:0"},
-            "gateway": gateway,
-        }
+        config = loopback_server_config(self.data_dir, gateway)
         server_yaml = write_private(work / "server.yaml", yaml.safe_dump(config))
         self.child = Child(
             [sys.executable, "-m", "llmgw", "server", "--config", str(server_yaml)], work / "server.log"

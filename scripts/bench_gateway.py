@@ -52,7 +52,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from benchproc import BenchError, Child, wait_for, write_private
+from benchproc import BenchError, Child, loopback_server_config, wait_for, write_private
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "bench_engine.py"
@@ -222,16 +222,10 @@ class Llmgw:
 
     def start(self) -> None:
         # The bench's workers stop with its server: by default they would serve on after it.
-        gateway: dict = {"listen": "127.0.0.1:0", "stop_workers_on_exit": True}
+        gateway: dict = {"stop_workers_on_exit": True}
         if self.workers is not None:
             gateway["workers"] = self.workers
-        config = {
-            "data_dir": str(self.data_dir),
-            "log_level": "warning",
-            "link": {"listen": "127.0.0.1:0"},
-            "admin": {"listen": "127.0.0.1:0"},
-            "gateway": gateway,
-        }
+        config = loopback_server_config(self.data_dir, gateway)
         if self.tracing is not None:
             config["tracing"] = {"endpoint": self.tracing, "sample_ratio": self.ratio}
         server_yaml = write_private(self.work / "server.yaml", yaml.safe_dump(config))

@@ -86,3 +86,14 @@ def write_private(path: Path, text: str) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     return path
+
+
+def loopback_server_config(data_dir: Path, gateway: dict) -> dict:
+    """server.yaml for a bench's own `llmgw server`: every listener on 127.0.0.1, any free port."""
+    return {
+        "data_dir": str(data_dir),
+        "log_level": "warning",
+        "link": {"listen": "127.0.0.1:0"},
+        "admin": {"listen": "127.0.0.1:0"},
+        "gateway": {"listen": "127.0.0.1:0", **gateway},
+    }
