@@ -198,6 +198,11 @@ class AdapterLoads:
                 continue
             if isinstance(answer, Load):
                 flight = self._flights[(answer.replica, adapter)] = _Flight()
+                if answer.evict is not None:
+                    # The victim is no longer resident: the routes must stop offering it before
+                    # this task yields. Else a fresh request for it, sent there meanwhile by
+                    # routes that still list it, would have it unloaded from under it.
+                    self._changed()
                 if self._nursery is not None:
                     self._nursery.start_soon(self._fly, answer, adapter, flight)
                     await flight.done.wait()
@@ -259,9 +264,8 @@ class AdapterLoads:
         upstream, profile = found
         api = registry.ENGINES[profile.engine].runtime_adapters
         if load.evict is not None:
-            # The victim is out of the routes now (it is not resident): no request goes to it,
-            # once every gateway has the routes that say so.
-            self._changed()
+            # The victim left the routes when the load was decided (see _need): no request goes
+            # to it, once every gateway has the routes that say so.
             if self.quiesce is not None and not await self.quiesce(load.replica, load.evict):
                 self.residency.unload_failed(load.replica, load.evict, trio.current_time())
                 self.residency.load_failed(load.replica, adapter)

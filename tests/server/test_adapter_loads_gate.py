@@ -6,10 +6,12 @@ instead of waiting for nothing."""
 from __future__ import annotations
 
 import attrs
+import pytest
 import trio
 
 from llmgw.core.shard import Adapter
-from llmgw.gateway import Usage
+from llmgw.gateway import GatewayError, Usage
+from llmgw.server.adapter_loads import AdapterLoads
 from llmgw.server.gate import ControlPlaneGate
 from llmgw.server.routing import ReplicaRouter
 from llmgw.server.worker import PushedState
@@ -143,3 +145,42 @@ async def test_a_waiter_whose_adapter_leaves_every_replica_asks_again(autojump_c
     assert tickets[0].replica == "r2" and gate.adapters_waiting() == {}
     gate.finish(first, served(Usage(1, 1, 2)))
     gate.finish(tickets[0], served(Usage(1, 1, 2)))
+
+
+class GoneReplicas(Replicas):
+    """Listed Ready, gone by the time a load is carried out: nothing is posted to an engine."""
+
+    def get(self, replica_id: str) -> None:
+        return None
+
+
+async def test_an_eviction_takes_the_victim_out_of_the_routes_before_another_request_is_routed():
+    """A request for b where r1's only slot holds a, idle: a is evicted. Had the routes gone on
+    offering a there until the load's own task ran, a fresh request for a could be sent to r1
+    and have a unloaded from under it (the CI failure: `violations: ['a1']`). So the task that
+    decides refreshes the routes before it first yields."""
+    one_slot = attrs.evolve(
+        plain_profile("p-lora", 4),
+        engine="vllm",
+        max_loaded_adapters=1,
+        adapters=(Adapter(name="a", path="/a/a"), Adapter(name="b", path="/a/b")),
+    )
+    refreshes: list[tuple[object, list[str]]] = []
+    loads: AdapterLoads
+    loads = AdapterLoads(
+        Catalog(one_slot),
+        GoneReplicas(replica("r1", "p-lora")),
+        Registry(),
+        in_flight=dict,
+        waiting=dict,
+        replica_in_flight=lambda model: {},
+        on_change=lambda: refreshes.append((trio.lowlevel.current_task(), loads.held("r1"))),
+    )
+    async with trio.open_nursery() as nursery:
+        loads.attach(nursery)
+        loads.residency.relearn("r1", ["a"], 0.0)
+        with pytest.raises(GatewayError):  # the replica is gone when its load is carried out
+            await loads.need("m", "b")
+    asker = trio.lowlevel.current_task()
+    assert refreshes[0] == (asker, [])  # a left the routes in the asker's own step
+    assert loads.held("r1") == [] and loads.unloads == 0
