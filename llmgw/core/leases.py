@@ -34,7 +34,8 @@ hold at ``t``, at most the sum of charges, at most the limit. Hence:
   tests/core/test_leases.py proves with hypothesis, grants and reports delayed in flight.
 - **Requests per minute** never exceed the limit.
 - **Slots**: a replica never has more requests in flight, over all workers, than its slots (as the
-  ledger knew them when the requests started).
+  ledger knew them when the requests started) — while a control plane answers. Past a lease
+  without one, a worker that holds none of a replica's slots takes one anyway (see Silence).
 
 **Silence.** A grant renews the worker's lease for :data:`LEASE_TTL`, counted from when the worker
 *sent* the report it answers (its own clock; the ledger counts from the grant, which came later,
@@ -50,6 +51,14 @@ start time, before it says so). Then its slots are free at once (its requests di
 its quota charges stay until what it admitted has left every window, one window's reach later
 (65 s for the minute limits, 25 h for the day's), under a name of their own: the worker the shell
 starts in its place is a new process to the ledger, with an empty book.
+
+Frozen shares are where demand left them when the control plane went, which can be all of a
+replica's slots with one worker. Past its lease, a worker therefore fills at least one slot of
+each replica it routes to (:meth:`WorkerLeases.slots`), whatever its share: the replica may run
+up to one request more per such worker than its slots, which its engine queues — better than
+that worker's clients all answered 503 until a control plane is back. Its reports still say the
+share as granted, so a new ledger adopts nothing it did not give. Quotas get no such floor: a
+quota holds exactly, control plane or not.
 
 **Demand.** Each limit is split by max-min fairness over the workers' demands (a quota's demand:
 what the worker's window holds plus what it was refused or is about to run short of; a slot's:
@@ -313,9 +322,21 @@ class WorkerLeases:
     def share(self, subject: Subject, limit: str, now: float) -> int:
         return self._quota.get((subject, limit), 0) if self.live(now) else 0
 
+    def lapsed(self, now: float) -> bool:
+        """No control plane has renewed the lease for its length (the server killed, restarting
+        or cut off): one that runs counts this worker silent, and moves no share to it."""
+        return self._granted and now >= self.expires_at
+
     def slots(self, replica: str, now: float) -> int:
-        """The replica's slots this worker may fill now (0 before its first grant)."""
-        return self._slots.get(replica, 0) if self.live(now) else 0
+        """The replica's slots this worker may fill now: its share (0 before its first grant).
+        Past its lease, at least one (see Silence): shares frozen as they were when the control
+        plane went would leave a worker that then held none of a replica's slots answering 503
+        to every client the kernel gives it, for as long as the control plane is away."""
+        share = self._slot_share(replica)
+        return max(share, 1) if self.lapsed(now) else share
+
+    def _slot_share(self, replica: str) -> int:
+        return self._slots.get(replica, 0) if self._granted else 0
 
     def tenant_weight(self, model: str, band: int, tenant: str) -> float:
         """The tenant's weight in this worker's rotation for ``model`` (see the module's fairness
@@ -414,7 +435,8 @@ class WorkerLeases:
         self._refused_for_share = False
         in_flight = in_flight or {}
         slots = tuple(
-            SlotDemand(replica=r, share=self.slots(r, now), in_flight=in_flight.get(r, 0))
+            # The share as granted, never the lapsed floor: a new ledger adopts what this says.
+            SlotDemand(replica=r, share=self._slot_share(r), in_flight=in_flight.get(r, 0))
             for r in sorted(set(self._slots) | {r for r, n in in_flight.items() if n})
         )
         return LeaseReport(

@@ -21,6 +21,7 @@ and outcome); the request's span gets the tenant and the key's id, never the key
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 import time
@@ -38,10 +39,14 @@ from llmgw.gateway import GatewayError, RequestRecord, Upstream
 from llmgw.server.routing import Routes
 from llmgw.server.store import UsageRecord
 
+log = logging.getLogger(__name__)
+
 # Waiters per model before new requests are refused with 429.
 MAX_WAITING = 1024
 # How long a request may wait for room before it is answered 503.
 QUEUE_TIMEOUT = 60.0
+# A queue timeout is logged with what the lane saw at most this often per model.
+TIMEOUT_LOG_INTERVAL = 10.0
 # How long a gateway worker's request refused only by its share of a quota (not by the limit)
 # waits for grants that may bring the room before it is answered 429: moving a share takes the
 # other worker's acknowledgement, a few lease ticks; a tenant truly over its limit is told 429
@@ -153,6 +158,7 @@ class ControlPlaneGate:
         self._router = router
         self._usage = usage
         self._queue_timeout = queue_timeout
+        self._timeout_logged: dict[str, float] = {}  # model -> when its last timeout was logged
         # Told when a request of a model with no Ready replica starts to wait: the scaler's cue.
         self._on_waiting = on_waiting
         self.observer = observer
@@ -478,8 +484,30 @@ class ControlPlaneGate:
                 message = f"No replica of '{model}' had room within {self._queue_timeout:g} s"
             else:
                 message = f"No replica of '{model}' became ready within {self._queue_timeout:g} s"
+            self._log_timeout(model, message)
             raise GatewayError(503, message, code="queue_timeout")
         return chosen
+
+    def _log_timeout(self, model: str, message: str) -> None:
+        """What the lane sees, for the operator (not the client): each replica's slots as this
+        process may fill them, what it has in flight there, and the engine's last load. At most
+        once per TIMEOUT_LOG_INTERVAL per model: an overload times out many at once."""
+        now = trio.current_time()
+        if now < self._timeout_logged.get(model, -math.inf) + TIMEOUT_LOG_INTERVAL:
+            return
+        self._timeout_logged[model] = now
+        lane = self._lanes[model]
+        now_routes = self._router.routes(model)
+        log.warning(
+            "%s; replicas: %s",
+            message,
+            ", ".join(
+                f"{r.replica} slots {r.slots} in flight {lane.admission.in_flight.get(r.replica, 0)}"
+                + (f" engine running {r.load.running} waiting {r.load.waiting}" if r.load else "")
+                for r in (now_routes.replicas if now_routes is not None else ())
+            )
+            or "none",
+        )
 
     def _dispatch(self, model: str, now: float) -> None:
         lane = self._lanes[model]

@@ -328,12 +328,27 @@ class Worker:
             slots=tuple(sorted(self.leases.slot_shares().items())),
         )
 
-    async def _expire_loads(self) -> None:
-        """Drops the engines' loads once no control plane has refreshed them for a while."""
+    async def _watch_staleness(self) -> None:
+        """Routes again when what the control plane last said goes stale with time: the engines'
+        loads once no control plane has refreshed them for a while, and the slots once the
+        lease is past its length (core.leases: then at least one slot of every replica)."""
+        lapsed = False
         while True:
             await trio.sleep(LOADS_CHECK)
-            if self.state.has_loads() and self.state.loads_stale(trio.current_time()):
+            now = trio.current_time()
+            rebuild = False
+            if self.state.has_loads() and self.state.loads_stale(now):
                 log.info("engine loads not refreshed for %.0f s: routing by slots alone", LOADS_STALE_AFTER)
+                rebuild = True
+            if self.leases is not None and self.leases.lapsed(now) != lapsed:
+                lapsed = not lapsed
+                if lapsed:
+                    log.warning(
+                        "lease past its length with no renewal: serving on the last shares, and on "
+                        "at least one slot of every replica"
+                    )
+                rebuild = True
+            if rebuild:
                 self.state.rebuild()
                 self.gate.redispatch()
 
@@ -362,7 +377,7 @@ class Worker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.serve_listeners, self._serve_control, [control])
                 nursery.start_soon(self._write_metrics)
-                nursery.start_soon(self._expire_loads)
+                nursery.start_soon(self._watch_staleness)
                 log.info(
                     "gateway worker %s (pid %d) on %s:%d",
                     self.spec.id,

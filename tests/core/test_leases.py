@@ -169,6 +169,39 @@ def test_a_cut_off_worker_serves_on_its_shares_and_they_come_back_only_once_it_i
     assert ledger.shares(RPM) == {"b": 10}
 
 
+def test_past_its_lease_a_worker_holding_no_slot_of_a_replica_fills_one_and_reports_none():
+    """Shares freeze where demand left them: with b busy when the control plane went, both of r's
+    slots are b's. Past its lease, a fills one anyway (r runs one request over its slots, which
+    its engine queues) rather than answer 503 to all its clients; a quota gets no such floor, and
+    a's reports say the share as granted, so a new ledger adopts no more than the slots."""
+    ledger = LeaseLedger(0.0)
+    ledger.set_replicas({"r": ("m", 2)})
+    ledger.set_limits(TENANT, Limits(rpm=10))
+    a, b = WorkerLeases("a"), WorkerLeases("b")
+    busy = [Waiting(model="m", band=0, tenant="t", count=2)]
+    for now in (0.0, 1.0, 2.0, 3.0):
+        ledger.receive(b.report(now, waiting=busy), now)
+        b.apply(ledger.grant("b", now), now)
+        exchange(ledger, a, now)
+    rpm = a.share(TENANT, "rpm", 3.0)
+    assert (a.slots("r", 3.0), b.slots("r", 3.0)) == (0, 2) and 0 < rpm < 10
+    assert not a.lapsed(a.expires_at - 0.1) and a.slots("r", a.expires_at - 0.1) == 0
+    later = a.expires_at + 300.0
+    assert a.lapsed(later) and b.lapsed(later)
+    assert (a.slots("r", later), b.slots("r", later)) == (1, 2)
+    assert a.share(TENANT, "rpm", later) == rpm
+    assert [(s.replica, s.share) for s in a.report(later, in_flight={"r": 1}).slots] == [("r", 0)]
+    # A control plane again: it adopts the shares as granted, and a is back on its share.
+    new = LeaseLedger(later, awaiting=("a", "b"))
+    new.set_replicas({"r": ("m", 2)})
+    new.set_limits(TENANT, Limits(rpm=10))
+    for now in (later, later + 1, later + 2):
+        exchange(new, a, now)
+        exchange(new, b, now)
+        assert sum(new.shares(("slot", "r")).values()) <= 2
+    assert not a.lapsed(later + 2) and a.slots("r", later + 2) == new.shares(("slot", "r"))["a"]
+
+
 def test_a_worker_started_again_under_its_name_is_a_new_process_to_the_ledger():
     ledger = LeaseLedger(0.0)
     ledger.set_limits(TENANT, Limits(rpm=10))

@@ -299,7 +299,7 @@ async def test_with_no_ready_replica_a_request_waits_for_one_and_is_503_after_th
     assert [t.replica for t in tickets] == ["r0"] and tickets[0].upstreams[0].port == 20000
 
 
-async def test_a_long_wait_for_room_is_503_after_the_timeout(autojump_clock):
+async def test_a_long_wait_for_room_is_503_after_the_timeout(autojump_clock, caplog):
     g = gate(Keys(("s", ALICE)), slots=1, queue_timeout=5)
     held = await g.admit(ALICE, "m", *chat())
     started = trio.current_time()
@@ -307,6 +307,8 @@ async def test_a_long_wait_for_room_is_503_after_the_timeout(autojump_clock):
         await g.admit(ALICE, "m", *chat())
     assert timed_out.value.status == 503 and trio.current_time() - started == pytest.approx(5)
     assert "had room within 5 s" in timed_out.value.message
+    # The operator's log says why: the replicas' slots as this process fills them.
+    assert "replicas: r0 slots 1 in flight 1" in caplog.text
     assert g.queue_depths() == {"m": {}}
     g.finish(held, served(None))
 

@@ -80,7 +80,7 @@ async def test_a_workers_engine_loads_expire_when_no_control_plane_refreshes_the
         assert not admitted and not state.loads_stale(trio.current_time())  # full, and still believed
         await trio.sleep(LOADS_STALE_AFTER)
         assert state.loads_stale(trio.current_time())
-        state.rebuild()  # as the worker's _expire_loads does
+        state.rebuild()  # as the worker's _watch_staleness does
         gate.redispatch()
     assert len(admitted) == 1 and trio.current_time() - started < LOADS_STALE_AFTER * 2
     assert all(r.load is None for r in state.routes("m").replicas)
