@@ -387,6 +387,11 @@ class WorkerPool:
             worker.pid, worker.adopted, worker.outdated, worker.lease_reported = 0, False, False, False
         while True:
             if not _alive(worker):
+                if worker.pid:
+                    # A process of this id ended, however that was found: the ledger hears of it
+                    # before the next one reports under the same id (else it would take the new
+                    # one's reports, numbered from 1 again, for old ones and ignore them).
+                    await self._ended(worker)
                 await self._start(worker)
             try:
                 await self._follow(worker)
@@ -395,41 +400,43 @@ class WorkerPool:
             worker.connected = False
             if _alive(worker):
                 await trio.sleep(0.2)  # alive: the link alone dropped, connect again
-                continue
-            if self._ledger is not None:
-                self._ledger.gone(worker.id, trio.current_time())  # its requests died with it
-            # The next process under this id is new to the ledger: no grant before its report.
-            worker.lease_reported = False
-            delay = reconnect_delay(
-                worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
-            )
-            worker.restarts += 1
-            status = None
-            if worker.process is not None:
-                status = await worker.process.wait()  # ours: reaped, not left a zombie
-            killed = status is not None and status < 0
-            if status is None:
-                ended = "died"  # adopted: not ours to reap
-            elif killed:
-                ended = f"was killed by signal {-status}"
-            else:
-                ended = f"exited with status {status}"
-            # Shown by ctl workers and /healthz until it serves again: the gateway port may have
-            # no one behind it, and the worker's own last words say why (a kill leaves none).
-            output = "" if killed else last_lines(self._directory / f"{worker.id}.log")
-            worker.failure = f"{ended}: {output}" if output else ended
-            worker.settled.set()
-            # A kill is the server's own (a silent worker) or an operator's; any other end is a fault.
-            (log.warning if killed else log.error)(
-                "gateway worker %s (pid %d) %s\n(its log: %s); starting it again in %.1f s",
-                worker.id,
-                worker.pid,
-                worker.failure,
-                self._directory / f"{worker.id}.log",
-                delay,
-            )
-            worker.pid = 0
-            await trio.sleep(delay)
+
+    async def _ended(self, worker: _Worker) -> None:
+        """The worker's process ended: the ledger is told, the failure kept, the restart delayed."""
+        if self._ledger is not None:
+            self._ledger.gone(worker.id, trio.current_time())  # its requests died with it
+        # The next process under this id is new to the ledger: no grant before its report.
+        worker.lease_reported = False
+        delay = reconnect_delay(
+            worker.restarts, initial=RESTART_INITIAL, maximum=RESTART_MAX, draw=random.random()
+        )
+        worker.restarts += 1
+        status = None
+        if worker.process is not None:
+            status = await worker.process.wait()  # ours: reaped, not left a zombie
+        killed = status is not None and status < 0
+        if status is None:
+            ended = "died"  # adopted: not ours to reap
+        elif killed:
+            ended = f"was killed by signal {-status}"
+        else:
+            ended = f"exited with status {status}"
+        # Shown by ctl workers and /healthz until it serves again: the gateway port may have
+        # no one behind it, and the worker's own last words say why (a kill leaves none).
+        output = "" if killed else last_lines(self._directory / f"{worker.id}.log")
+        worker.failure = f"{ended}: {output}" if output else ended
+        worker.settled.set()
+        # A kill is the server's own (a silent worker) or an operator's; any other end is a fault.
+        (log.warning if killed else log.error)(
+            "gateway worker %s (pid %d) %s\n(its log: %s); starting it again in %.1f s",
+            worker.id,
+            worker.pid,
+            worker.failure,
+            self._directory / f"{worker.id}.log",
+            delay,
+        )
+        worker.pid = 0
+        await trio.sleep(delay)
 
     def _keys_now(self) -> Keys:
         keys = self._keys()
@@ -626,6 +633,8 @@ def _alive(worker: _Worker) -> bool:
     """Whether the worker's process still runs: the pid, and the same process behind it."""
     if not worker.pid:
         return False
+    if worker.process is not None and worker.process.poll() is not None:
+        return False  # ours, and ended (reaped now: a zombie is no worker)
     started = start_time_of(worker.pid)
     return started is not None and (worker.start_time is None or started == worker.start_time)
 
