@@ -53,6 +53,7 @@ from llmgw.agent.processes import (
 from llmgw.agent.shard_state import ShardRecord
 from llmgw.agent.weights import FetchFailed, WeightsCache
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan
+from llmgw.core.engines.common import listen_address
 from llmgw.core.engines.load_metrics import busy_requests
 from llmgw.core.engines.tracing import EngineTracing, traced_plan
 from llmgw.core.reports import SHARD_LIFECYCLE
@@ -581,7 +582,8 @@ class Supervisor:
         """GET ``path`` from the shard's engine on this node (raises ProbeFailed)."""
         assert shard.health_port is not None
         headers = self._auth(shard) if with_key else None
-        return await http_get("127.0.0.1", shard.health_port, path, headers=headers, timeout=PROBE_TIMEOUT)
+        host = listen_address(shard.spec)  # where the engine listens: it listens nowhere else
+        return await http_get(host, shard.health_port, path, headers=headers, timeout=PROBE_TIMEOUT)
 
     async def _learn_compute(self, shard: _Shard) -> None:
         """What the shard computes on: GPUs its processes hold memory on, else the CPU."""

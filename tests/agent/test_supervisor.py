@@ -369,7 +369,7 @@ async def test_the_ray_head_runs_first_and_vllm_waits_for_it(nursery: trio.Nurse
     # One tail, each line telling whose it is.
     for line, whose in (
         (f"[ray-head] ray head listening on {spec.rendezvous_port}", "the head's"),
-        (f"listening on 0.0.0.0:{spec.port}, model big, key set", "vLLM's"),
+        (f"listening on 127.0.0.1:{spec.port}, model big, key set", "vLLM's"),  # its node's address
     ):
         await wait_for(
             lambda line=line: line in agent.supervisor.log_tail(spec.shard_id), f"{whose} output in the tail"

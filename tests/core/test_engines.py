@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, registry, validate
+from llmgw.core.engines.common import listen_address
 from llmgw.core.flags import ENGINE_ARGV_PREFIX, argv_flags, help_flags
 from llmgw.core.shard import Adapter, Fabric, GpuRef, LaunchPlan, ShardSpec
 from tests.helpers import TESTS
@@ -320,6 +321,23 @@ def test_no_key_no_key_anywhere() -> None:
         assert "--api-key" not in command.argv and "VLLM_API_KEY" not in command.env
 
 
+@pytest.mark.parametrize(
+    "shard",
+    [spec(), spec(engine="sglang"), spec(**LLAMA)],
+    ids=["vllm", "sglang", "llamacpp"],
+)
+def test_engines_listen_on_the_nodes_management_address_alone(shard: ShardSpec) -> None:
+    """Where the router, the scraper and the agent's probes reach the engine; loopback on a node
+    with no management address; never every address of the node."""
+    for node_address, host in (("10.0.0.7", "10.0.0.7"), ("", "127.0.0.1")):
+        (command,) = build_plan(
+            attrs.evolve(shard, node_address=node_address), engine_key="k", binaries=BINARIES
+        ).commands
+        argv = list(command.argv)
+        assert argv[len(argv) - argv[::-1].index("--host")] == host
+        assert "0.0.0.0" not in argv
+
+
 # --- argv order --------------------------------------------------------------------------------------
 
 
@@ -340,7 +358,7 @@ def test_builtins_come_after_extra_flags_and_win(shard: ShardSpec) -> None:
     last_port = len(argv) - 1 - argv[::-1].index("--port")
     assert last_port > start + len(extra) - 1 and argv[last_port + 1] == "8100"
     last_host = len(argv) - 1 - argv[::-1].index("--host")
-    assert argv[last_host + 1] == "0.0.0.0"
+    assert argv[last_host + 1] == listen_address(shard) != "0.0.0.0"
 
 
 # --- shapes of the plans ---------------------------------------------------------------------------

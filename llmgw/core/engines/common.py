@@ -6,9 +6,16 @@ import attrs
 
 from llmgw.core.shard import ShardSpec
 
-# Engines listen on every address of the node: the router and the agent's health check reach
-# them over the management network. The engine key keeps everyone else out.
-LISTEN_ALL = "0.0.0.0"
+# Where a node has no management address (one host, the server on loopback): loopback alone.
+LOOPBACK = "127.0.0.1"
+
+
+def listen_address(spec: ShardSpec) -> str:
+    """The one address an engine listens on: the node's management address, which the router,
+    the scraper and the adapter loads reach it at (and the agent's probes), else loopback. Never
+    every address of the node: on an address no part of llmgw uses, an engine would answer
+    whoever reaches it there, the engine key its only guard."""
+    return spec.node_address or LOOPBACK
 
 
 @attrs.frozen(kw_only=True)

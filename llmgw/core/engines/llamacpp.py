@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmgw.core.engines import samples
-from llmgw.core.engines.common import LISTEN_ALL, EngineBinaries, device_env
+from llmgw.core.engines.common import EngineBinaries, device_env, listen_address
 from llmgw.core.engines.descriptor import Engine, EngineMetrics, HelpCheck
 from llmgw.core.shard import Adapter, Command, LaunchPlan, ShardSpec
 from llmgw.core.training import GGUF_FILE, FileDigest
@@ -25,7 +25,7 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
     builtins = [
         "-m", spec.model_path,
         "--alias", spec.model,
-        "--host", LISTEN_ALL,
+        "--host", listen_address(spec),
         "--port", str(spec.port),
         "-ngl", ALL_LAYERS if spec.gpus else "0",
     ]  # fmt: skip

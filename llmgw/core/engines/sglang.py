@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from llmgw.core.engines import samples
 from llmgw.core.engines.common import (
-    LISTEN_ALL,
     EngineBinaries,
     as_fraction,
     collective_env,
     device_env,
     fp8_dtype_reasons,
+    listen_address,
     reserved_share,
 )
 from llmgw.core.engines.descriptor import (
@@ -42,7 +42,7 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
     builtins = [
         "--model-path", spec.model_path,
         "--served-model-name", spec.model,
-        "--host", LISTEN_ALL,
+        "--host", listen_address(spec),
         "--port", str(spec.port),
         "--tp-size", str(spec.tensor_parallel),
         "--enable-metrics",  # the router's load signals (queue, running requests) come from /metrics

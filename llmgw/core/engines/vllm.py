@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from llmgw.core.engines import samples
 from llmgw.core.engines.common import (
-    LISTEN_ALL,
     EngineBinaries,
     as_fraction,
     collective_env,
     device_env,
     fp8_dtype_reasons,
+    listen_address,
     reserved_share,
 )
 from llmgw.core.engines.descriptor import (
@@ -171,7 +171,7 @@ def _ray_node_flags(spec: ShardSpec) -> tuple[str, ...]:
 def _serve_flags(spec: ShardSpec) -> list[str]:
     flags = [
         "--served-model-name", spec.model,
-        "--host", LISTEN_ALL,
+        "--host", listen_address(spec),
         "--port", str(spec.port),
         "--tensor-parallel-size", str(spec.tensor_parallel),
         "--pipeline-parallel-size", str(spec.pipeline_parallel),
