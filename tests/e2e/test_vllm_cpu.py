@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,9 @@ def test_the_engine_answers_its_api_only_with_the_engine_key(fleet):
     assert all(status == 401 for status in refused.values()), refused
     assert engine_status(port, "GET", "/v1/models", engine_key) == 200
     assert engine_status(port, "POST", "/tokenize", engine_key, {"model": MODEL, "prompt": "hi"}) == 200
+    # And it listens on its node's address alone (loopback here): 127.0.0.2 is refused.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
 
 
 def test_engine_check_reads_the_cpu_builds_help_where_the_agent_installed_it():
