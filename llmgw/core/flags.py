@@ -109,7 +109,7 @@ def truncation_warning(help_text: str, engine: str) -> str | None:
 
 # --- the widest commands llmgw produces ------------------------------------------------------------
 
-# A key is given so that SGLang's --api-key is emitted.
+# A key is given so that every option that comes with one is emitted.
 _KEY = "engine-check-placeholder-key"
 
 
@@ -137,7 +137,11 @@ def widest_commands(
     for label, spec in check.widest_specs:
         plan = build_plan(spec, engine_key=_KEY, binaries=binaries)
         commands += [
-            CheckedCommand(label=label, options=c.argv[prefix:]) for c in plan.commands if c.name == "engine"
+            CheckedCommand(
+                label=label, options=(*c.argv[prefix:], *(check.launch_options if c.serves_http else ()))
+            )
+            for c in plan.commands
+            if c.name == "engine"
         ]
     return tuple(commands)
 

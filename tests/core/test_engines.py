@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
@@ -307,12 +309,35 @@ def test_vllm_and_llamacpp_keys_only_in_environment(case: str) -> None:
     assert holders == [c.name for c in plan.commands if c.serves_http]
 
 
-def test_sglang_key_in_argv_on_the_serving_rank_only() -> None:
+def test_sglang_key_in_the_environment_of_the_serving_rank_only_never_on_argv() -> None:
     (leader,) = plan_of("sglang-rank0").commands
-    assert leader.argv[leader.argv.index("--api-key") + 1] == KEY
+    assert leader.env["LLMGW_ENGINE_KEY"] == KEY
     (worker,) = plan_of("sglang-rank1").commands
-    assert not any(KEY in token for token in worker.argv)
-    assert not any(KEY in value for value in (*leader.env.values(), *worker.env.values()))
+    assert "LLMGW_ENGINE_KEY" not in worker.env
+    assert not any(KEY in token for token in (*leader.argv, *worker.argv))
+
+
+def test_the_sglang_launch_program_hands_the_key_to_the_server_off_its_command_line(tmp_path) -> None:
+    """The program run for real, with a stand-in `sglang.launch_server` that writes what it got:
+    the key last in its sys.argv, nowhere in its /proc cmdline, gone from its environment."""
+    package = tmp_path / "sglang"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        "cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "json.dump({'argv': sys.argv[1:], 'cmdline': cmdline, 'env': 'LLMGW_ENGINE_KEY' in os.environ,"
+        " 'main': __name__}, sys.stdout)\n"
+    )
+    (command,) = plan_of("sglang-single").commands
+    argv = [sys.executable, *command.argv[1:]]
+    done = subprocess.run(
+        argv, env={**command.env, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["argv"] == [*command.argv[3:], "--api-key", KEY] and seen["main"] == "__main__"
+    assert KEY not in seen["cmdline"] and not seen["env"]
 
 
 def test_no_key_no_key_anywhere() -> None:

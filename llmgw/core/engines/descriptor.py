@@ -44,6 +44,9 @@ class HelpCheck:
     # a label for the report. Multi-node included: a flag only a second node uses is the one
     # nobody sees go missing.
     widest_specs: tuple[tuple[str, ShardSpec], ...]
+    # Options the launch program adds to the engine's own at start, off the command line (SGLang's
+    # --api-key, from the environment): checked against the help all the same.
+    launch_options: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

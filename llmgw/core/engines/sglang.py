@@ -1,4 +1,4 @@
-"""SGLang: ``python -m sglang.launch_server`` on every node; rank 0 serves HTTP.
+"""SGLang: ``sglang.launch_server`` on every node (run by LAUNCH_PROGRAM); rank 0 serves HTTP.
 
 Flags are those of SGLang 0.5.23's help. Its tensor-parallel flag is ``--tp-size``: ``--tp`` works
 only through argparse's prefix matching, which a future flag starting with ``--tp`` would break.
@@ -35,6 +35,20 @@ OUTSIDE_STATIC_SHARE = 0.17
 # The rank an adapter loaded at run time may have when the profile says none: peft's default r
 # is 8, and 16 is vLLM's default too.
 DEFAULT_LORA_RANK = 16
+
+
+# SGLang takes its key from --api-key alone, and a command line is readable by every user of the
+# node. So it is started by this program, which moves the key from the environment (readable by
+# its owner alone) into the server's own sys.argv, last (argparse keeps the last value), and out
+# of the environment its children inherit; then it runs the server as `python -m` would.
+KEY_VARIABLE = "LLMGW_ENGINE_KEY"
+LAUNCH_PROGRAM = f"""\
+import os, runpy, sys
+key = os.environ.pop({KEY_VARIABLE!r}, "")
+if key:
+    sys.argv += ["--api-key", key]
+runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
@@ -81,15 +95,15 @@ def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -
         ]  # fmt: skip
     elif spec.adapters:
         builtins += ["--enable-lora", "--lora-paths", *(f"{a.name}={a.path}" for a in spec.adapters)]
+    env = {**device_env(spec), **collective_env(spec)}
     if engine_key and serves_http:
-        # SGLang is the one engine whose key must go on the command line: it reads no environment
-        # variable for it. Only the rank that serves HTTP checks a key, so only it gets one.
-        builtins += ["--api-key", engine_key]
+        # Only the rank that serves HTTP checks a key, so only it gets one (see LAUNCH_PROGRAM).
+        env[KEY_VARIABLE] = engine_key
     engine = Command(
         name="engine",
         # Built-ins after the profile's flags: argparse keeps the last value.
-        argv=(binaries.python, "-m", "sglang.launch_server", *spec.extra_flags, *builtins),
-        env={**device_env(spec), **collective_env(spec)},
+        argv=(binaries.python, "-c", LAUNCH_PROGRAM, *spec.extra_flags, *builtins),
+        env=env,
         serves_http=serves_http,
     )
     return LaunchPlan(commands=(engine,), health_port=spec.port if serves_http else None)
@@ -134,8 +148,9 @@ ENGINE = Engine(
         program="python",
         help_args=("-m", "sglang.launch_server", "--help"),
         version_args=("-c", "import sglang; print(sglang.__version__)"),
-        # `python -m sglang.launch_server`, whose "-m" is the interpreter's, not SGLang's.
+        # `python -c LAUNCH_PROGRAM`, whose "-c" is the interpreter's, not SGLang's.
         argv_prefix=3,
+        launch_options=("--api-key", "key"),
         min_help_lines=1100,  # 0.5.23 `launch_server --help` prints 1436
         widest_specs=(
             ("SGLang 2 nodes, rank 0", samples.two_nodes("sglang", 0)),
