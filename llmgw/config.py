@@ -166,7 +166,7 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 # Node names end up in host-like places (metrics labels, directory names, TLS names), hence the
 # DNS label rule, with dots allowed for names like gpu1.rack3.
 NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
-_NODE_NAME_RULE = (
+NODE_NAME_RULE = (
     "a node name (lowercase letters, digits, '-' and '.'; starting and ending with a letter or digit;"
     " at most 63 characters)"
 )
@@ -765,7 +765,7 @@ def _structure_string_map(value: Any, _type: Any) -> dict[str, str]:
 
 def _structure_node_name(value: Any, _type: Any) -> str:
     if not isinstance(value, str) or not NODE_NAME.fullmatch(value):
-        raise _BadValue(f"expected {_NODE_NAME_RULE}, got {_show(value)}")
+        raise _BadValue(f"expected {NODE_NAME_RULE}, got {_show(value)}")
     return value
 
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from llmgw.core.reassembly import FILE_NAME
 from llmgw.core.training import ADAPTER_NAME, PairsError, TrainParams, parse_pairs
 from llmgw.ctl import render
 from llmgw.ctl.client import AdminClient, CtlError
@@ -286,6 +287,10 @@ def _adapters(args: argparse.Namespace, client: ClientFactory) -> int:
     return listing(client(args), args, "/admin/v1/adapters", "adapters", empty, render.adapters_table)
 
 
+def _bare_name(name: object) -> bool:
+    return isinstance(name, str) and FILE_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
 def _adapters_download(args: argparse.Namespace, client: ClientFactory) -> int:
     admin = client(args)
     adapters = admin.get("/admin/v1/adapters")["adapters"]
@@ -297,6 +302,11 @@ def _adapters_download(args: argparse.Namespace, client: ClientFactory) -> int:
         out.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise CtlError(f"cannot make {out}: {e.strerror}") from None
+    # Each name becomes a path under the directory: a bare file name, as the server accepts from
+    # agents (core.reassembly), or nothing is written — a listing naming "../x" is not followed.
+    bad = [f.get("name") for f in adapter["files"] if not _bare_name(f.get("name"))]
+    if bad:
+        raise CtlError(f'adapter "{args.name}": the server lists files that are not bare file names: {bad!r}')
     written = []
     for f in adapter["files"]:
         dest = out / f["name"]

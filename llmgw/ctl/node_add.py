@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from llmgw.config import NODE_NAME, NODE_NAME_RULE
 from llmgw.core import onboarding
 from llmgw.core.onboarding import Layout, NoBinary, ProbeError, Step, Wanted, WantedFile
 from llmgw.ctl.client import CtlError
@@ -94,6 +95,11 @@ def add_parser(node_commands, client: ClientFactory) -> None:
 
 
 def _node_add(args: argparse.Namespace, client: ClientFactory) -> int:
+    if args.host.startswith("-"):
+        # ssh is also given "--" before it; refused here all the same, with a clearer message.
+        raise CtlError(f"HOST {args.host!r} begins with '-': ssh would read it as an option")
+    if args.name is not None:
+        _check_name(args.name, "--name")
     layout = Layout(root=args.root)
     token = _join_token(args.join_token_file)
     ssh = Ssh(args.host, args.ssh_config)
@@ -106,6 +112,8 @@ def _node_add(args: argparse.Namespace, client: ClientFactory) -> int:
     name = args.name or facts.hostname.lower()
     if not name:
         raise CtlError(f"{args.host} reports no hostname: give the node's name with --name")
+    if args.name is None:
+        _check_name(name, f"{args.host}'s hostname (give another with --name)")
     context = resolve(args.server, args.token)
     server_addresses = args.server_address or [
         f"{urlsplit(context.server).hostname}:{onboarding.DEFAULT_LINK_PORT}"
@@ -257,6 +265,12 @@ def _wait_registered(client, name: str, wait: float, host: str, before: int | No
         time.sleep(POLL_INTERVAL)
 
 
+def _check_name(name: str, what: str) -> None:
+    """The name goes into the node's agent.yaml, which the agent refuses unless it follows the rule."""
+    if not NODE_NAME.fullmatch(name):
+        raise CtlError(f"{what}: {name!r} is not {NODE_NAME_RULE}")
+
+
 class Ssh:
     """``ssh HOST script``, non-interactive (BatchMode: a password prompt would hang node add)."""
 
@@ -265,7 +279,8 @@ class Ssh:
         self._base = ["ssh", "-T", "-o", "BatchMode=yes", *(["-F", str(config)] if config else [])]
 
     def run(self, script: str, *, stdin=b"", timeout: float = SSH_TIMEOUT, what: str = "the probe") -> str:
-        command = [*self._base, self.host, onboarding.as_root(script)]
+        # "--": a HOST beginning with '-' is a destination, never an option (-oProxyCommand=...).
+        command = [*self._base, "--", self.host, onboarding.as_root(script)]
         kwargs = {"input": stdin} if isinstance(stdin, bytes) else {"stdin": stdin}
         try:
             result = subprocess.run(command, capture_output=True, timeout=timeout, **kwargs)

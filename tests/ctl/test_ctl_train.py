@@ -161,6 +161,30 @@ async def test_a_download_that_does_not_match_the_listing_is_removed(
     assert hashlib.sha256((out_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
 
 
+def test_a_listing_naming_a_path_outside_the_directory_writes_nothing(
+    tmp_path: Path, ctl_env, monkeypatch, capsys
+):
+    """A hostile (or broken) server's listing: `../x` is refused before any file is written."""
+    listing = {
+        "adapters": [
+            {
+                "name": "evil",
+                "files": [
+                    {"name": "adapter_config.json", "size": 2, "sha256": "0" * 64},
+                    {"name": "../outside", "size": 2, "sha256": "0" * 64},
+                ],
+            }
+        ]
+    }
+    downloads = []
+    monkeypatch.setattr(AdminClient, "get", lambda self, path: listing)
+    monkeypatch.setattr(AdminClient, "download", lambda self, path, dest: downloads.append(dest))
+    out_dir = tmp_path / "out"
+    assert run_ctl(["adapters", "download", "evil", "-o", str(out_dir)]) == 1
+    assert "not bare file names: ['../outside']" in capsys.readouterr().err
+    assert downloads == [] and not (tmp_path / "outside").exists()
+
+
 async def test_a_failed_job_prints_its_reason_and_log_tail(
     tmp_path: Path, nursery, ctl_env, monkeypatch, pairs_file: Path, capsys
 ):
