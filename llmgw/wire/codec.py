@@ -62,6 +62,9 @@ def decode(line: bytes) -> Message:
         data = json.loads(line)
     except ValueError as exc:
         raise FramingError(f"undecodable message: {exc}") from None
+    except RecursionError:
+        # A few thousand nested brackets fit well within a line: a protocol error, not a crash.
+        raise FramingError("undecodable message: nested too deeply") from None
     type_name = data.get("type") if isinstance(data, dict) else None
     if isinstance(type_name, str) and type_name and type_name not in _KNOWN_TYPES:
         raise UnknownMessage(type_name)
@@ -69,6 +72,8 @@ def decode(line: bytes) -> Message:
         return converter.structure(data, Message)
     except (ValueError, cattrs.BaseValidationError, KeyError, TypeError) as exc:
         raise FramingError(f"undecodable message: {exc}") from None
+    except RecursionError:
+        raise FramingError("undecodable message: nested too deeply") from None
 
 
 class LineDecoder:

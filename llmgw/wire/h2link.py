@@ -91,6 +91,10 @@ class H2Link:
         self._refusal_body = bytearray()
         self._decoder = LineDecoder()
         self._partial_credited = 0  # credit already returned for the unfinished line
+        # Server: what the peer sent before its link request was accepted (the join token checked)
+        # stays bytes, undecoded and uncredited — the stream's window bounds it — until then.
+        self._accepted = client_side
+        self._early = bytearray()
         self._inbox: collections.deque[tuple[Message, int]] = collections.deque()
         self._stream_ended = False
         self._closed_reason: str | None = None
@@ -213,7 +217,14 @@ class H2Link:
         stream_id = self._request[0]
         if status == 200:
             self._conn.send_headers(stream_id, [(":status", "200"), ("content-type", "application/x-ndjson")])
+            self._accepted = True
+            early, self._early = bytes(self._early), bytearray()
+            try:
+                self._take(stream_id, early)
+            except FramingError as exc:
+                self._close(f"protocol error: {exc}")
             self._kick()
+            self._changed.fire()
             return
         body = json.dumps({"error": {"message": error or "refused", "code": status}}).encode()
         self._conn.send_headers(stream_id, [(":status", str(status)), ("content-type", "application/json")])
@@ -338,6 +349,13 @@ class H2Link:
             return
         if padding:
             self._conn.acknowledge_received_data(padding, stream_id)
+        if not self._accepted:
+            self._early += data
+            return
+        self._take(stream_id, data)
+
+    def _take(self, stream_id: int, data: bytes) -> None:
+        """Decodes the stream's bytes into the inbox, crediting what the consumer need not wait for."""
         credit_now = 0
         for message, size in self._decoder.feed_sized(data):
             # Part of this line may have been credited while it was still arriving.

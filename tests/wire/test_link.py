@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import logging
 
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 import trio
 
 from llmgw.agent.link import JoinRefused
+from llmgw.core.inventory import Inventory
 from llmgw.core.liveness import NodeState
-from llmgw.wire.messages import Ping, Pong
+from llmgw.wire.codec import encode
+from llmgw.wire.h2link import LINK_PATH
+from llmgw.wire.messages import Ping, Pong, Register
 from tests.helpers import make_agent, start_link_server, wait_for
 
 
@@ -306,4 +312,64 @@ async def test_jobs_are_registered_commanded_reported_and_uploaded_in_order():
         await wait_for(lambda: len(received) >= before + 4, "the upload")
         sent = [(type(m).__name__, getattr(m, "state", getattr(m, "index", None))) for m in received[before:]]
         assert sent == [("JobStatus", "Uploading"), ("JobPiece", 0), ("JobPiece", 1), ("JobPiece", 2)]
+        nursery.cancel_scope.cancel()
+
+
+async def _link_request(port: int, token: str, early: bytes, until=None) -> tuple[int | None, bool]:
+    """A raw HTTP/2 link request whose body starts before the server answers: (its status, or None
+    if the connection ended first; whether the server closed the connection). Accepted, it is held
+    open until ``until()`` is true."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", LINK_PATH),
+        (":scheme", "http"),
+        (":authority", "llmgw"),
+        ("authorization", f"Bearer {token}"),
+    ]
+    conn.send_headers(1, headers)
+    for start in range(0, len(early), 16384):  # the largest frame a peer must accept
+        conn.send_data(1, early[start : start + 16384])
+    await stream.send_all(conn.data_to_send())
+    status = None
+    try:
+        while data := await stream.receive_some(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = int(dict(event.headers)[":status"])
+            await stream.send_all(conn.data_to_send())
+            if status == 200:
+                if until is not None:
+                    await wait_for(until, "the server to take the early messages")
+                await stream.aclose()
+                return status, False
+    except trio.BrokenResourceError:
+        pass
+    await stream.aclose()
+    return status, True
+
+
+async def test_nothing_an_agent_sends_is_decoded_before_its_join_token_is_checked(tmp_path, caplog):
+    """Bytes sent with the link request wait, undecoded, for the token check: a wrong token with a
+    body that would break the decoder (brackets nested past Python's recursion limit) is a 401,
+    not a protocol error; the right token with its Register sent at once registers."""
+    caplog.set_level(logging.INFO)
+    nested = b"[" * 3_000 + b"]" * 3_000 + b"\n"  # past the recursion limit, in one read
+    inventory = Inventory(hostname="eager", cpu_count=1, memory_total_mib=1, memory_available_mib=1)
+    register = encode(Register(node="eager", agent_version="0", inventory=inventory))
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path)
+        with trio.fail_after(10):
+            # The 401 itself may be lost: closing with the unread body resets the connection.
+            assert (await _link_request(server.port, "not-the-token", nested))[0] in (401, None)
+        assert "wrong join token" in caplog.text
+        # Before, the bytes were decoded first: a RecursionError and its traceback per connection.
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        with trio.fail_after(10):
+            status, _ = await _link_request(
+                server.port, server.token, register, until=lambda: server.registry.get("eager") is not None
+            )
+        assert status == 200
         nursery.cancel_scope.cancel()

@@ -103,7 +103,17 @@ def test_decoder_reassembles_messages_split_anywhere(batch, chunk):
 
 
 @pytest.mark.parametrize(
-    "junk", [b"{}\n", b'{"type":""}\n', b"[]\n", b"not json\n", b'{"type":"Ping","id":"x"}\n']
+    "junk",
+    [
+        b"{}\n",
+        b'{"type":""}\n',
+        b"[]\n",
+        b"not json\n",
+        b'{"type":"Ping","id":"x"}\n',
+        b"[" * 100_000 + b"]" * 100_000 + b"\n",  # json raises RecursionError for it
+        b'{"type":"Ping","id":0,"payload":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+    ],
+    ids=["empty", "no-type", "list", "not-json", "bad-field", "nested", "nested-field"],
 )
 def test_undecodable_lines_are_framing_errors(junk):
     with pytest.raises(FramingError):
