@@ -14,6 +14,7 @@ to read), and answer ``--version`` with the package's name and version.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -49,6 +50,23 @@ def main():
 '''
 
 
+# vLLM's `python -m vllm.entrypoints.openai.api_server`: it imports each --middleware class, as the
+# real server does before it serves (so a guard the program did not define fails the start here
+# too), then runs the engines' HTTP surface like the console script.
+_API_SERVER = """import importlib
+import sys
+
+args = sys.argv[1:]
+for i, arg in enumerate(args):
+    if arg == "--middleware":
+        module, _, attr = args[i + 1].rpartition(".")
+        getattr(importlib.import_module(module), attr)
+from vllm import main
+
+main()
+"""
+
+
 def build_wheel(
     work: Path, name: str, version: str, wheelhouse: Path, *, without_flags: tuple[str, ...] = ()
 ) -> Path:
@@ -57,6 +75,15 @@ def build_wheel(
     source = work / f"src-{name}-{version}"
     package = source / name
     package.mkdir(parents=True)
+    packages = [name]
+    if name == "vllm":
+        # The module llmgw's key guard runs the server by (core.engines.vllm.GUARD_PROGRAM).
+        server = package / "entrypoints" / "openai"
+        server.mkdir(parents=True)
+        (package / "entrypoints" / "__init__.py").write_text("")
+        (server / "__init__.py").write_text("")
+        (server / "api_server.py").write_text(_API_SERVER)
+        packages += ["vllm.entrypoints", "vllm.entrypoints.openai"]
     (source / "pyproject.toml").write_text(
         "[build-system]\n"
         'requires = ["setuptools"]\n'
@@ -67,7 +94,7 @@ def build_wheel(
         "[project.scripts]\n"
         f'{name} = "{name}:main"\n'
         "[tool.setuptools]\n"
-        f'packages = ["{name}"]\n'
+        f"packages = {json.dumps(packages)}\n"
         "[tool.setuptools.package-data]\n"
         f'{name} = ["help.txt"]\n'
     )

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, registry, validate
+from llmgw.core.engines import EngineBinaries, InvalidShard, build_plan, registry, samples, validate
 from llmgw.core.engines.common import listen_address
 from llmgw.core.flags import ENGINE_ARGV_PREFIX, argv_flags, help_flags
 from llmgw.core.shard import Adapter, Fabric, GpuRef, LaunchPlan, ShardSpec
@@ -338,6 +338,28 @@ def test_the_sglang_launch_program_hands_the_key_to_the_server_off_its_command_l
     seen = json.loads(done.stdout)
     assert seen["argv"] == [*command.argv[3:], "--api-key", KEY] and seen["main"] == "__main__"
     assert KEY not in seen["cmdline"] and not seen["env"]
+
+
+def test_a_pinned_vllm_serves_behind_the_key_guard_in_its_own_python_and_a_headless_rank_does_not():
+    """vLLM's own key covers /v1 alone: a pinned install's server runs by module, behind llmgw's
+    guard (real vLLM: tests/e2e/test_vllm_cpu.py). The headless rank serves no HTTP; an unpinned
+    `vllm` is the operator's, whose Python is unknown."""
+    binaries = EngineBinaries(vllm="/env/bin/vllm", python="/env/bin/python")
+    for rank, launcher, guarded in ((0, "mp", True), (1, "mp", False), (0, "ray", True)):
+        shard = samples.two_nodes("vllm", rank, launcher=launcher, engine_version="0.33.0")
+        engine = next(
+            c for c in build_plan(shard, engine_key="k", binaries=binaries).commands if c.name == "engine"
+        )
+        if guarded:
+            assert engine.argv[:2] == ("/env/bin/python", "-c") and engine.argv[3:5] == (
+                "--model",
+                shard.model_path,
+            )
+            assert engine.argv[-2:] == ("--middleware", "llmgw_engine_guard.RequireKey")
+        else:
+            assert engine.argv[:2] == ("/env/bin/vllm", "serve") and "--middleware" not in engine.argv
+    (unpinned,) = build_plan(spec(), engine_key="k", binaries=binaries).commands
+    assert unpinned.argv[:2] == ("/env/bin/vllm", "serve")
 
 
 def test_no_key_no_key_anywhere() -> None:

@@ -1,8 +1,8 @@
 """A vLLM profile pinning a release, served by two real agents that install it themselves: each
 node makes a virtual environment and fills it offline from a local wheelhouse (a stand-in package
 under vLLM's name, tests/stand_in_engine.py), the install's progress shows on the replica, the
-replicas run the environment's `vllm` as the unprivileged engine user and become Ready; a profile
-pinning a release the wheelhouse lacks fails with pip's reason."""
+replicas run the environment's vLLM server (behind llmgw's key guard) as the unprivileged engine
+user and become Ready; a profile pinning a release the wheelhouse lacks fails with pip's reason."""
 
 from __future__ import annotations
 
@@ -89,13 +89,15 @@ def test_agents_install_a_pinned_vllm_offline_and_serve_it(tmp_path, engine_user
         done = wait_until(lambda: settled("v33", 2), "both v33 replicas to be Ready", deadline=300)
         assert [r["state"] for r in done] == ["Ready", "Ready"], done
 
-        # Every shard runs its node's environment's vllm, as the engines' user.
+        # Every shard runs its node's environment's vLLM, as the engines' user.
         nodes_used = set()
         for name in NODES:
             for _directory, record in shard_state.read_all(tmp_path / f"agent-{name}" / "shards"):
                 assert not isinstance(record, ValueError), record
                 venv = public / name / "vllm-0.33.0" / "venv"
-                assert record.processes[-1].argv[:2] == (str(venv / "bin" / "vllm"), "serve"), record
+                # vLLM's server by module, behind llmgw's key guard, in that environment's Python.
+                argv = record.processes[-1].argv
+                assert argv[:2] == (str(venv / "bin" / "python"), "-c") and "--middleware" in argv, record
                 assert (venv.parent / "installed.json").is_file()
                 status = Path(f"/proc/{record.processes[-1].pid}/status").read_text()
                 uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))

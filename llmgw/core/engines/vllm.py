@@ -59,9 +59,9 @@ CPU_KV_SHARE = 0.5
 MIN_CPU_KV_GIB = 1
 # vLLM's own key check (VLLM_API_KEY) covers the paths under /v1 alone: /invocations, /tokenize,
 # /pooling, /classify and the rest answer anyone who reaches the port, with no quota and no usage
-# record (seen on 0.32.0). Its --middleware hook imports a class by name; the CPU build's server is
-# started by this program, which defines one asking for the key on every path but /health (probes
-# and readiness), then runs the server as `python -m` would.
+# record (seen on 0.32.0). Its --middleware hook imports a class by name; a pinned install's server
+# (see guarded) is started by this program, which defines one asking for the key on every path but
+# /health (probes and readiness), then runs the server as `python -m` would.
 GUARD_MODULE = "llmgw_engine_guard"
 GUARD_PROGRAM = """\
 import hashlib, hmac, os, runpy, sys, types
@@ -215,13 +215,22 @@ def lora_rank_choice(rank: int | None) -> int:
 def _serve_argv(spec: ShardSpec, binaries: EngineBinaries, builtins: list[str]) -> tuple[str, ...]:
     # Built-ins after the profile's flags: argparse keeps the last value, so a profile cannot
     # move the port or rename the model under the router.
-    if is_cpu_build(spec):
-        # Its console script does not run (see the module's note): the same server, by module,
-        # behind the key on every path (GUARD_PROGRAM); the guard's flag last, like the others.
+    if guarded(spec):
+        # The server `vllm serve` runs, by module, behind the key on every path (GUARD_PROGRAM);
+        # the guard's flag last, like the others.
         guard = ("--middleware", f"{GUARD_MODULE}.RequireKey")
         program = (binaries.python, "-c", GUARD_PROGRAM, "--model", spec.model_path)
         return (*program, *spec.extra_flags, *builtins, *guard)
     return (binaries.vllm, "serve", spec.model_path, *spec.extra_flags, *builtins)
+
+
+def guarded(spec: ShardSpec) -> bool:
+    """The shard's engine is started behind GUARD_PROGRAM: every pinned install's server (the
+    agent installed it, so the Python it runs by is that environment's own), the CPU build's
+    always (its console script does not run). A headless rank serves no HTTP and keeps `vllm
+    serve --headless`; an unpinned `vllm` is the operator's command, whose Python llmgw does not
+    know, and runs as `vllm serve` with vLLM's own key check (paths under /v1)."""
+    return is_cpu_build(spec) or (spec.rank == 0 and spec.engine_version is not None)
 
 
 def is_cpu_build(spec: ShardSpec) -> bool:
