@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.core.engines.sglang import LAUNCH_PROGRAM
 from tests.helpers import TESTS
 from tests.procs import Proc, wait_until
 
@@ -121,9 +122,10 @@ def test_flags_that_break_the_rank_contract_are_named() -> None:
     elsewhere = vllm_rank(0, port, master)
     elsewhere[elsewhere.index("--master-addr") + 1] = "10.9.9.9"
     assert "no interface of this node holds 10.9.9.9" in refused(elsewhere)
-    sglang = [sys.executable, str(FAKE), "-m", "sglang.launch_server", "--node-rank", "1", "--nnodes", "2"]
-    sglang += ["--dist-init-addr", f"127.0.0.1:{master}", "--tp-size", "4", "--api-key", "k"]
-    assert "--api-key given to a rank that serves no HTTP" in refused(sglang)
+    # SGLang as llmgw starts it (its launch program), handed a key on a rank that serves no HTTP.
+    sglang = [sys.executable, str(FAKE), "-c", LAUNCH_PROGRAM, "--node-rank", "1", "--nnodes", "2"]
+    sglang += ["--dist-init-addr", f"127.0.0.1:{master}", "--tp-size", "4"]
+    assert "--api-key given to a rank that serves no HTTP" in refused(sglang, LLMGW_ENGINE_KEY="k")
     ray_worker = [sys.executable, str(FAKE), "start", "--address", f"127.0.0.1:{master}"]
     assert "without --block" in refused(ray_worker + ["--node-ip-address", "127.0.0.1"])
     assert "its own address 127.0.0.1 as the head's" in refused(
