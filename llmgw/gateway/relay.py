@@ -584,6 +584,9 @@ def _json_object(body: bytes) -> dict:
         payload = json.loads(body)
     except ValueError:
         raise GatewayError(400, "The body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        # Brackets nested past the interpreter's recursion limit (a few hundred bytes do it).
+        raise GatewayError(400, "The body's JSON is nested too deeply", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise GatewayError(400, "The body must be a JSON object", code="invalid_json")
     return payload
