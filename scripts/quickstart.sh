@@ -70,6 +70,9 @@ server:
   join_token_file: $LLMGW_HOME/server/join-token
 engines:
   stop_shards_on_exit: true   # so that Ctrl-C leaves no engine behind
+  # The engine runs as you: the model is in your home, which an engine user could not read.
+  # On a real node, engines run as the unprivileged llmgw-engine (ctl node add makes it).
+  run_as: null
 YAML
 
 server_pid= agent_pid=

@@ -179,7 +179,10 @@ class Server:
 
 
 def agent_config(tmp: Path, server: Server, name: str, **extra: object) -> Path:
-    """agent-NAME.yaml for an agent of ``server`` (``extra``: more top-level sections)."""
+    """agent-NAME.yaml for an agent of ``server`` (``extra``: more top-level sections). Its engines
+    run as the test's own user unless ``engines`` names another: the tests' models and Pythons
+    live in places only that user reads."""
+    extra["engines"] = {"run_as": None, **(extra.get("engines") or {})}  # type: ignore[dict-item]
     return write_yaml(
         tmp / f"agent-{name}.yaml",
         {

@@ -1,4 +1,4 @@
-"""The user engines run as: an unprivileged one when the agent is root and that user exists.
+"""The user engines run as: an unprivileged one when the agent is root; root only when asked.
 
 An engine runs model code from the internet (custom modelling files, tokenizer code) and serves
 a port on every address of the node; as root, a flaw in either is the whole node. ``llmgw ctl node
@@ -30,22 +30,36 @@ class EngineUser:
         return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
 
 
+class NoEngineUser(OSError):
+    """``run_as`` names a user this node lacks. Nothing starts: the engine would run as root, which
+    only ``run_as: root`` (or null) asks for. An OSError, as the other ways preparing to run a
+    process fails, so every caller's handling of those takes it too."""
+
+
 def resolve(run_as: str | None, work_dir: Path) -> tuple[EngineUser, str]:
-    """The user engines run as, and why it is not ``run_as`` ("" when it is)."""
+    """The user engines run as, and a note to log: why it is not ``run_as``, or that it is root
+    ("" otherwise). Raises NoEngineUser for a user the node lacks."""
     own = pwd.getpwuid(os.geteuid())
-    if run_as is None or run_as == own.pw_name:
-        return _user(own, work_dir, switch=False), ""
     if os.geteuid() != 0:
+        note = (
+            ""
+            if run_as in (None, own.pw_name)
+            else (f"the agent is not root, so engines run as its own user {own.pw_name!r}, not {run_as!r}")
+        )
+        return _user(own, work_dir, switch=False), note
+    if run_as is None or run_as == own.pw_name:
         return _user(own, work_dir, switch=False), (
-            f"the agent is not root, so engines run as its own user {own.pw_name!r}, not {run_as!r}"
+            f"engines run as root (engines.run_as: {run_as or 'null'}): a flaw in an engine, or in "
+            "code a model brings, is then the whole node's"
         )
     try:
         entry = pwd.getpwnam(run_as)
     except KeyError:
-        return _user(own, work_dir, switch=False), (
-            f"there is no user {run_as!r} on this node, so engines run as root "
-            f"(`llmgw ctl node add` makes it, or: useradd --system --user-group -G video,render {run_as})"
-        )
+        raise NoEngineUser(
+            f"there is no user {run_as!r} on this node, and engines run as root only where "
+            f"engines.run_as says root: make the user (`llmgw ctl node add` does, or: useradd "
+            f"--system --user-group -G video,render {run_as})"
+        ) from None
     return _user(entry, work_dir, switch=True), ""
 
 

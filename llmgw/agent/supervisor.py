@@ -458,6 +458,9 @@ class Supervisor:
         try:
             user = await trio.to_thread.run_sync(self._engine_user)
             await trio.to_thread.run_sync(shard_state.make_dirs, self._shards_dir, shard.spec.shard_id)
+        except runas.NoEngineUser as exc:
+            self._end(shard, ShardState.FAILED, str(exc))
+            return
         except OSError as exc:
             self._end(shard, ShardState.FAILED, f"cannot prepare the shard's directories: {exc}")
             return
@@ -504,7 +507,8 @@ class Supervisor:
 
     def _engine_user(self) -> runas.EngineUser:
         user, note = runas.resolve(self._run_as, self._work_dir)
-        if note and not self._user_note_logged:
+        # Root is said at every start; another user than asked for, once.
+        if note and (user.uid == 0 or not self._user_note_logged):
             log.warning(note)
             self._user_note_logged = True
         runas.prepare_home(user)

@@ -133,7 +133,10 @@ class WeightsCache:
         async with lock:
             self._fetching.add(key)
             try:
-                user, _note = runas.resolve(self._run_as, self._work_dir)
+                try:
+                    user, _note = runas.resolve(self._run_as, self._work_dir)
+                except runas.NoEngineUser as exc:
+                    raise FetchFailed(f"weights: {exc}") from None
                 return await trio.to_thread.run_sync(
                     self._fetch_blocking, url, final, spec.model_sha256, user, on_progress
                 )

@@ -322,10 +322,19 @@ def test_gpu_memory_by_pid_lists_each_process_per_card() -> None:
 # --- the engine user -------------------------------------------------------------------------------
 
 
-def test_a_missing_user_means_the_agents_own_with_a_reason(tmp_path: Path) -> None:
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule for an agent running as root")
+def test_as_root_a_missing_user_starts_nothing_and_root_is_only_what_was_asked_for(tmp_path: Path) -> None:
+    with pytest.raises(runas.NoEngineUser, match="no user 'llmgw-no-such-user' on this node"):
+        runas.resolve("llmgw-no-such-user", tmp_path)
+    for asked in (None, "root"):
+        user, note = runas.resolve(asked, tmp_path)
+        assert (user.uid, user.switch) == (0, False) and note.startswith("engines run as root")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="the rule for an agent that is not root")
+def test_not_root_engines_run_as_the_agents_own_user_with_a_reason(tmp_path: Path) -> None:
     user, note = runas.resolve("llmgw-no-such-user", tmp_path)
-    assert not user.switch and user.credentials() == {}
-    assert user.uid == os.geteuid()
+    assert not user.switch and user.credentials() == {} and user.uid == os.geteuid()
     assert "llmgw-no-such-user" in note
     user, note = runas.resolve(None, tmp_path)
     assert (user.switch, note) == (False, "")

@@ -471,19 +471,28 @@ def _gid(name: str) -> int:
     return grp.getgrnam(name).gr_gid
 
 
-async def test_a_missing_engine_user_means_root_said_once(
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule for an agent running as root")
+async def test_a_missing_engine_user_fails_the_shard_and_root_is_said_at_every_start(
     nursery: trio.Nursery, lab: Lab, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """No silent fall back to root: a run_as the node lacks fails the shard, naming the fix; root
+    runs only where asked for (run_as null or root), with a warning at every start."""
     caplog.set_level(logging.WARNING, logger="llmgw.agent.supervisor")
-    agent = await start_agent(nursery, lab, run_as="llmgw-no-such-user")
+    missing = await start_agent(nursery, lab, run_as="llmgw-no-such-user")
+    await missing.supervisor.start(llama_spec("shard-0"), KEY)
+    failed = await missing.wait_state("shard-0", FAILED)
+    assert "no user 'llmgw-no-such-user' on this node" in failed.reason and "useradd" in failed.reason
+    await missing.cut()
+
+    agent = await start_agent(nursery, lab, run_as=None)
     first, second = llama_spec("shard-1"), llama_spec("shard-2")
     for spec in (first, second):
         await agent.supervisor.start(spec, KEY)
         await agent.wait_state(spec.shard_id, READY)
-    notes = [r.getMessage() for r in caplog.records if "llmgw-no-such-user" in r.getMessage()]
-    assert len(notes) == 1, notes
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engines run as root")]
+    assert len(notes) == 2, notes
     engine = lab.state("shard-1").processes[-1]
-    assert proc_status(engine.pid)["Uid"].split()[0] == str(os.geteuid())
+    assert proc_status(engine.pid)["Uid"].split()[0] == "0"
     await agent.supervisor.stop_all(grace=5)
     assert agent.supervisor.running() == []
     assert [agent.states(s)[-1] for s in ("shard-1", "shard-2")] == [STOPPED, STOPPED]
