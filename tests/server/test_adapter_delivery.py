@@ -198,9 +198,18 @@ def pieces_of(name: str, files: dict[str, bytes]) -> list[AdapterPiece]:
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()
-    }
+    """The files under ``root`` and their bytes. The agent removes a partial copy in a thread: a
+    directory or file that goes while it is read makes it read again (the removal only shrinks it)."""
+    while root.exists():
+        try:
+            return {
+                str(path.relative_to(root)): path.read_bytes()
+                for path in sorted(root.rglob("*"))
+                if path.is_file()
+            }
+        except FileNotFoundError:
+            continue
+    return {}
 
 
 GGUF_ONLY = {"adapter.gguf": FILES["adapter.gguf"]}
