@@ -46,6 +46,7 @@ class LinkServer:
     port: int
     token: str
     cancel: trio.CancelScope
+    listener: LinkListener
 
 
 async def start_link_server(
@@ -58,6 +59,7 @@ async def start_link_server(
     handshake_timeout: float = 2.0,
     token: str = "join-secret",
     leadership=None,
+    **options,
 ) -> LinkServer:
     """A store, a registry and the link listener, in ``nursery``; cancel ``.cancel`` to stop it.
     ``leadership``: what the listener tells agents of the leader lease (None: it leads, term 0)."""
@@ -65,7 +67,7 @@ async def start_link_server(
     registry = NodeRegistry(store, Liveness(interval=interval, missed=missed))
     await registry.load()
     listener = LinkListener(
-        registry, tokens.digest(token), handshake_timeout=handshake_timeout, leadership=leadership
+        registry, tokens.digest(token), handshake_timeout=handshake_timeout, leadership=leadership, **options
     )
     cancel = trio.CancelScope()
 
@@ -80,7 +82,7 @@ async def start_link_server(
             await store.aclose()
 
     bound = await nursery.start(serve)
-    return LinkServer(registry=registry, port=bound, token=token, cancel=cancel)
+    return LinkServer(registry=registry, port=bound, token=token, cancel=cancel, listener=listener)
 
 
 def make_agent(name: str, port: int, token: str, *, max_delay: float = 0.5) -> AgentLink:

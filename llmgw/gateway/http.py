@@ -22,11 +22,9 @@ and nothing in the body a stranger could learn from.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import resource
 import socket
 from collections.abc import Callable, Sequence
 
@@ -39,7 +37,7 @@ from llmgw.core.listener_limits import MAX_BODY_BYTES, ListenerLimits
 from llmgw.gateway.contract import Gate, RequestRecord, Router
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.h11_stream import H11Stream
-from llmgw.gateway.limits import BodyBudget, Connection, Connections
+from llmgw.gateway.limits import BodyBudget, Connection, Connections, accept_forever
 from llmgw.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmgw.gateway.pump import StreamPump
 from llmgw.gateway.relay import UPSTREAM_TIMEOUT, Relay, RelayAborted
@@ -72,14 +70,6 @@ _CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 PROBE_MAX_BODY_BYTES = 4096
 # Retry-After of a 503 for want of room (connections, body budget): room comes back as requests end.
 BUSY_RETRY_AFTER = 1.0
-# accept() failing for want of descriptors or kernel memory: trio's serve_listeners logged a
-# traceback per attempt, ten a second. Here: connections waiting for a head are shed (each frees
-# a descriptor), then a pause that doubles while it lasts, and one line per interval.
-ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-SHED_ON_EMFILE = 16
-ACCEPT_BACKOFF_MIN = 0.01
-ACCEPT_BACKOFF_MAX = 1.0
-ACCEPT_LOG_INTERVAL = 60.0
 
 
 async def serve_gateway(
@@ -123,7 +113,13 @@ async def serve_gateway(
         try:
             async with trio.open_nursery() as connections:
                 for listener in listeners:
-                    connections.start_soon(_accept_forever, site, listener, connections)
+                    connections.start_soon(
+                        accept_forever,
+                        listener,
+                        site.connections,
+                        lambda stream: _take(site, stream, connections),
+                        site.counted,
+                    )
                 task_status.started(listeners[0].socket.getsockname()[1])
         finally:
             with trio.CancelScope(shield=True):
@@ -148,44 +144,6 @@ class _Site:
     def counted(self) -> None:
         if self.metrics is not None:
             self.metrics.connections_open = self.connections.open
-
-
-async def _accept_forever(site: _Site, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-    backoff = ACCEPT_BACKOFF_MIN
-    logged_at = -float("inf")
-    failed = 0
-    async with listener:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as error:
-                if error.errno not in ACCEPT_CAPACITY_ERRNOS:
-                    raise
-                shed = site.connections.displace(SHED_ON_EMFILE)
-                site.counted()
-                failed += 1
-                now = trio.current_time()
-                if now - logged_at >= ACCEPT_LOG_INTERVAL:
-                    log.warning(
-                        "accept failed: %s (%s), %d time(s) since the last report; shedding connections"
-                        " that wait for a head (%d now) and retrying (limit of open files: %d)",
-                        errno.errorcode.get(error.errno, error.errno),
-                        os.strerror(error.errno),
-                        failed,
-                        shed,
-                        _open_files_limit(),
-                    )
-                    logged_at, failed = now, 0
-                # The shed ones close their sockets at their next turn: let them run first.
-                await trio.sleep(ACCEPT_BACKOFF_MIN if shed else backoff)
-                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2)
-                continue
-            backoff = ACCEPT_BACKOFF_MIN
-            _take(site, stream, nursery)
-
-
-def _open_files_limit() -> int:
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _take(site: _Site, stream: trio.SocketStream, nursery: trio.Nursery) -> None:

@@ -14,11 +14,26 @@ connection is working (reading a body, or answering) is the new one refused, wit
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import resource
+from collections.abc import Callable
 
 import trio
 
 from llmgw.core.listener_limits import ListenerLimits
+
+log = logging.getLogger(__name__)
+
+# accept() failing for want of descriptors or kernel memory: trio's serve_listeners logs a
+# traceback per attempt, ten a second. Here: connections waiting for a head are shed (each frees
+# a descriptor), then a pause that doubles while it lasts, and one line per interval.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+SHED_ON_EMFILE = 16
+ACCEPT_BACKOFF_MIN = 0.01
+ACCEPT_BACKOFF_MAX = 1.0
+ACCEPT_LOG_INTERVAL = 60.0
 
 
 class BodyBudget:
@@ -128,3 +143,45 @@ class Connections:
             self.per_peer[connection.peer] = left
         else:
             del self.per_peer[connection.peer]
+
+
+async def accept_forever(
+    listener: trio.abc.Listener,
+    connections: Connections,
+    take: Callable[[trio.abc.Stream], None],
+    after_shed: Callable[[], None] = lambda: None,
+) -> None:
+    """Accepts connections for ``take`` (which admits each to ``connections`` or refuses it) until
+    cancelled. Out of descriptors, it sheds the connections that wait (``after_shed`` is told),
+    backs off and logs once per ACCEPT_LOG_INTERVAL."""
+    backoff = ACCEPT_BACKOFF_MIN
+    logged_at = -float("inf")
+    failed = 0
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as error:
+                if error.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                shed = connections.displace(SHED_ON_EMFILE)
+                after_shed()
+                failed += 1
+                now = trio.current_time()
+                if now - logged_at >= ACCEPT_LOG_INTERVAL:
+                    log.warning(
+                        "accept failed: %s (%s), %d time(s) since the last report; shedding connections"
+                        " that wait (%d now) and retrying (limit of open files: %d)",
+                        errno.errorcode.get(error.errno, error.errno),
+                        os.strerror(error.errno),
+                        failed,
+                        shed,
+                        resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                    )
+                    logged_at, failed = now, 0
+                # The shed ones close their sockets at their next turn: let them run first.
+                await trio.sleep(ACCEPT_BACKOFF_MIN if shed else backoff)
+                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2)
+                continue
+            backoff = ACCEPT_BACKOFF_MIN
+            take(stream)

@@ -19,7 +19,9 @@ import trio
 
 from llmgw import __version__
 from llmgw.config import NODE_NAME
+from llmgw.core.listener_limits import ListenerLimits
 from llmgw.core.liveness import Liveness
+from llmgw.gateway.limits import Connection, Connections, accept_forever
 from llmgw.server import tokens
 from llmgw.server.changes import Changes
 from llmgw.server.nodes import NodeRegistry
@@ -37,6 +39,11 @@ from llmgw.wire.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+# The link's caps: the gateway's defaults for connections, none per peer (a fleet's nodes may
+# reach the server from one address, behind NAT). Its deadlines are its own: the handshake's
+# (link.handshake_timeout), then the agents' heartbeats (liveness).
+LINK_LIMITS = ListenerLimits(max_connections_per_peer=None)
 
 # How long a closing session tries to deliver its Goodbye before dropping the connection.
 GOODBYE_GRACE = 1.0
@@ -203,7 +210,12 @@ class LinkListener:
         ssl_context: ssl.SSLContext | None = None,
         jobs: JobReports | None = None,
         leadership: LeaderView | None = None,
+        limits: ListenerLimits = LINK_LIMITS,
     ) -> None:
+        # A cap on connections (from the file descriptor limit): at the cap a new one displaces
+        # the oldest that has not registered, so silent sockets cannot keep an agent out, and
+        # a registered agent's link is never the one closed.
+        self.connections = Connections(limits)
         self._registry = registry
         self._leadership = leadership or _AlwaysLeading()
         self._jobs = jobs
@@ -212,18 +224,31 @@ class LinkListener:
         self._ssl_context = ssl_context
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners: list[trio.abc.Listener] = list(await trio.open_tcp_listeners(port, host=host))
         if self._ssl_context is not None:
             listeners = [trio.SSLListener(lst, self._ssl_context, https_compatible=True) for lst in listeners]
-        await trio.serve_listeners(self._handle, listeners, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(
+                    accept_forever, listener, self.connections, lambda s: self._take(s, nursery)
+                )
+            task_status.started(listeners)
 
-    async def _handle(self, transport: trio.abc.Stream) -> None:
+    def _take(self, transport: trio.abc.Stream, nursery: trio.Nursery) -> None:
         peer = _peer_name(transport)
+        connection = self.connections.admit(peer.rpartition(":")[0])
+        if connection is None:
+            # Refused at once, without a task: every connection at the cap is a registered agent.
+            _close_now(transport)
+            return
+        nursery.start_soon(self._handle, transport, peer, connection)
+
+    async def _handle(self, transport: trio.abc.Stream, peer: str, connection: Connection) -> None:
         link = H2Link(transport, client_side=False, peer=peer)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.run)
-                await self._converse(link, peer)
+                await self._converse(link, peer, connection)
                 nursery.cancel_scope.cancel()
         except* LinkClosed as group:
             log.debug("link from %s ended: %s", peer, group.exceptions[0])
@@ -232,11 +257,18 @@ class LinkListener:
             # agent's link) down with it.
             log.exception("link from %s failed", peer)
         finally:
+            self.connections.gone(connection)
             with trio.CancelScope(shield=True):
                 await link.aclose("done")
 
-    async def _converse(self, link: H2Link, peer: str) -> None:
-        register = await self._handshake(link, peer)
+    async def _converse(self, link: H2Link, peer: str, connection: Connection) -> None:
+        with trio.CancelScope() as waiting:
+            self.connections.waiting(connection, waiting)  # displaceable until registered
+            register = await self._handshake(link, peer)
+        self.connections.working(connection)
+        if waiting.cancelled_caught:
+            log.info("dropped link from %s before it registered: connections at their cap", peer)
+            return
         if register is None:
             return
         if not NODE_NAME.fullmatch(register.node):
@@ -296,6 +328,12 @@ class LinkListener:
         self._registry.heard(node, message.inventory if isinstance(message, Heartbeat) else None)
         if isinstance(message, ShardStatus):
             self._registry.shard_status(node, message)
+
+
+def _close_now(transport: trio.abc.Stream) -> None:
+    stream = transport.transport_stream if isinstance(transport, trio.SSLStream) else transport
+    if isinstance(stream, trio.SocketStream):
+        stream.socket.close()
 
 
 def _peer_name(transport: trio.abc.Stream) -> str:

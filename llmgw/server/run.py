@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import secrets
 import socket
 import ssl
@@ -67,7 +68,22 @@ class Endpoints:
     gateway: str
 
 
+def raise_open_files_limit() -> int:
+    """The soft limit of open files raised to the hard one (as Go's runtime does for every
+    program): the listeners' connection caps come from it, and a soft 1024 (systemd's default)
+    would cap the agents' links and the gateway's clients at a few hundred. Returns the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    raise_open_files_limit()
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     store = await open_store(config.data_dir, config.store, read_password(config.store_password_file))
     # A store only this server opens (SQLite in its data_dir) makes it the leader at once.

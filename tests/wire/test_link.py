@@ -4,6 +4,7 @@ liveness, reconnection, refusal and hostile input."""
 from __future__ import annotations
 
 import logging
+import resource
 
 import h2.config
 import h2.connection
@@ -13,7 +14,9 @@ import trio
 
 from llmgw.agent.link import JoinRefused
 from llmgw.core.inventory import Inventory
+from llmgw.core.listener_limits import ListenerLimits
 from llmgw.core.liveness import NodeState
+from llmgw.server.run import raise_open_files_limit
 from llmgw.wire.codec import encode
 from llmgw.wire.h2link import LINK_PATH
 from llmgw.wire.messages import Ping, Pong, Register
@@ -373,3 +376,37 @@ async def test_nothing_an_agent_sends_is_decoded_before_its_join_token_is_checke
             )
         assert status == 200
         nursery.cancel_scope.cancel()
+
+
+async def test_silent_sockets_at_the_cap_make_room_for_an_agent_and_never_close_a_registered_link(tmp_path):
+    """Connections are capped (here 4): a flood of silent sockets is displaced oldest first by
+    newcomers, a new agent still registers, and a registered agent's link is never closed."""
+    limits = ListenerLimits(max_connections=4, max_connections_per_peer=None)
+    async with trio.open_nursery() as nursery:
+        server = await start_link_server(nursery, tmp_path, handshake_timeout=60.0, limits=limits)
+        good = make_agent("good", server.port, server.token)
+        nursery.start_soon(good.run)
+        await wait_for(lambda: online(server, ["good"]), "the good agent")
+        silent = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(20)]
+        await wait_for(lambda: server.listener.connections.displaced >= 16, "the flood to displace itself")
+        assert server.listener.connections.open <= 4
+        late = make_agent("late", server.port, server.token)
+        nursery.start_soon(late.run)
+        await wait_for(lambda: online(server, ["late"]), "an agent past the flood")
+        with trio.fail_after(10):
+            reply = await server.registry.call("good", Ping(id=0, payload="still there?"))
+        assert reply.payload == "still there?" and good.registrations == 1
+        for stream in silent:
+            await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+def test_the_server_raises_its_open_files_limit_to_the_hard_one():
+    """The connection caps come from the soft limit: a soft 1024 (systemd's default) would cap
+    the agents' links at a few hundred."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        assert raise_open_files_limit() == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
