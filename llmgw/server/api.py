@@ -342,6 +342,14 @@ def make_app(
         what = ROUTING_MESSAGES.get(code, e.description)
         return _error(code, kind, f"{request.method} {request.path}: {what}")
 
+    @app.errorhandler(RecursionError)
+    async def nested_too_deeply(e: RecursionError) -> Response:
+        # json raises it, not ValueError, for a body nested past the recursion limit; quart's
+        # get_json(silent=True) lets it through. The client's mistake, not the server's.
+        return _error(
+            400, "invalid_json", f"{request.method} {request.path}: the body's JSON is nested too deeply"
+        )
+
     @app.errorhandler(Exception)
     async def unexpected_error(e: Exception) -> Response:
         log.exception("admin API: %s %s failed", request.method, request.path)

@@ -633,6 +633,28 @@ async def test_bad_key_requests_name_the_field(tenant_admin: TenantApi, body, me
     assert tenant_admin.tenants.list_keys() == []
 
 
+async def test_a_body_nested_too_deeply_is_a_400_not_a_500(tenant_admin: TenantApi):
+    """json raises RecursionError, not ValueError, past the recursion limit (found by fuzzing the
+    gateway's bodies): the admin API answers the client's mistake as one."""
+
+    def post() -> tuple[int, dict]:
+        request = urllib.request.Request(
+            tenant_admin.url + "/admin/v1/tenants",
+            data=b"[" * 5000 + b"]" * 5000,
+            method="POST",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as refused:
+            return refused.code, json.loads(refused.read())
+
+    status, answer = await trio.to_thread.run_sync(post)
+    assert status == 400 and "nested too deeply" in answer["error"]["message"], answer
+    assert tenant_admin.tenants.list_tenants() == []
+
+
 async def test_usage_is_summarised(tenant_admin: TenantApi):
     day = 1_793_534_400.0  # 2026-11-01 12:00 UTC
     seen = tenant_admin.usage.flushes.version
