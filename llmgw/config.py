@@ -231,6 +231,9 @@ class AdminConfig:
     listen: Address = Address(host="127.0.0.1", port=7071)
     # None: <data_dir>/admin-token, generated on first start.
     token_file: Path | None = None
+    # HTTPS for the admin API and the status pages (the token and the session cookie, which is
+    # then Secure, travel encrypted). Set it whenever `listen` is not loopback.
+    tls: ServerTls | None = None
 
 
 TRACING_PROTOCOLS = ("http/protobuf", "grpc")

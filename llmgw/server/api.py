@@ -25,7 +25,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from llmgw import __version__
-from llmgw.config import structure_catalog
+from llmgw.config import ServerTls, structure_catalog
 from llmgw.core import jobs as core_jobs
 from llmgw.core.catalog import Profile
 from llmgw.core.keys import engine_key
@@ -105,12 +105,15 @@ async def serve_admin(
     engine_load: Callable[[str], EngineLoad | None] | None = None,
     workers: Callable[[], list[dict]] | None = None,
     leadership: Callable[[], dict] | None = None,
+    tls: ServerTls | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serves the admin API until cancelled; reports the port it bound (the kernel's choice when
-    ``port`` is 0)."""
+    """Serves the admin API until cancelled (over HTTPS with ``tls``); reports the port it bound
+    (the kernel's choice when ``port`` is 0)."""
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    if tls is not None:
+        config.certfile, config.keyfile = str(tls.cert_file), str(tls.key_file)
     config.accesslog = None  # a line per request tells an operator nothing
     config.read_timeout = ADMIN_READ_TIMEOUT
     config.keep_alive_timeout = ADMIN_KEEP_ALIVE_TIMEOUT

@@ -307,6 +307,7 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                     engine_load=lambda replica_id: scraper.load(replica_id),
                     workers=pool.as_json if pool is not None else None,
                     leadership=leadership.as_json,
+                    tls=config.admin.tls,
                 ),
                 registry,
                 catalog,
@@ -344,11 +345,12 @@ async def run_server(config: ServerConfig, *, task_status=trio.TASK_STATUS_IGNOR
             )
             _write_endpoints(config.data_dir / ENDPOINTS_FILE, endpoints)
             log.info(
-                "llmgw server up: gateway on http://%s, agent link on %s%s, admin API on http://%s"
+                "llmgw server up: gateway on http://%s, agent link on %s%s, admin API on %s://%s"
                 " (data in %s, store %s; %s under term %d)",
                 endpoints.gateway,
                 endpoints.link,
                 " (TLS)" if config.link.tls else "",
+                "https" if config.admin.tls else "http",
                 endpoints.admin,
                 config.data_dir,
                 store.where,
