@@ -572,7 +572,7 @@ def test_bad_node_name(value: str, got: str) -> None:
     [
         (
             "admin:\n  lisen: 127.0.0.1:1\n",
-            "server.yaml: admin.lisen: unknown key (expected one of: listen, token_file)",
+            "server.yaml: admin.lisen: unknown key (expected one of: listen, token_file, tls)",
         ),
         (
             "datadir: /x\n",
@@ -642,7 +642,7 @@ def test_server_options_do_not_belong_in_agent_yaml() -> None:
         ),
         (
             "admin:\n  bogus: 1\n  listen: x\n",
-            "server.yaml: admin.bogus: unknown key (expected one of: listen, token_file)",
+            "server.yaml: admin.bogus: unknown key (expected one of: listen, token_file, tls)",
         ),
         (
             "admin:\n  listen: x\n  bogus: 1\n",
