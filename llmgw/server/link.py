@@ -267,7 +267,8 @@ class LinkListener:
             register = await self._handshake(link, peer)
         self.connections.working(connection)
         if waiting.cancelled_caught:
-            log.info("dropped link from %s before it registered: connections at their cap", peer)
+            # Debug: a flood displaces thousands; the table's counts say how many.
+            log.debug("dropped link from %s before it registered: connections at their cap", peer)
             return
         if register is None:
             return
