@@ -6,10 +6,9 @@ examples each); `scripts/fuzz.sh` runs the same properties longer."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.core.quota import estimate_parts
@@ -21,31 +20,25 @@ from llmgw.gateway.relay import (
     _without_selecting_members,
     check_fields,
 )
+from tests.fuzzing import FUZZ, json_values
 
-EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "300"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
-values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=16,
-)
 messages = st.lists(
-    st.fixed_dictionaries({}, optional={"role": values, "content": values | st.text()}) | values, max_size=4
+    st.fixed_dictionaries({}, optional={"role": json_values, "content": json_values | st.text()})
+    | json_values,
+    max_size=4,
 )
 payloads = st.fixed_dictionaries(
     {},
     optional={
-        "model": st.text(max_size=12) | values,
-        "stream": values,
-        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": values}) | values,
-        "max_tokens": values,
-        "max_completion_tokens": values,
-        "n": values,
-        "messages": messages | values,
-        "prompt": values | st.lists(st.text(max_size=12), max_size=3),
-        **{member: values for member in ENGINE_SELECTING_MEMBERS},
+        "model": st.text(max_size=12) | json_values,
+        "stream": json_values,
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": json_values}) | json_values,
+        "max_tokens": json_values,
+        "max_completion_tokens": json_values,
+        "n": json_values,
+        "messages": messages | json_values,
+        "prompt": json_values | st.lists(st.text(max_size=12), max_size=3),
+        **{member: json_values for member in ENGINE_SELECTING_MEMBERS},
     },
 )
 ACTED_ON = {

@@ -7,30 +7,21 @@ token is checked nothing is decoded (tests/wire/test_link.py)."""
 from __future__ import annotations
 
 import json
-import os
 
 import attrs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.wire.codec import FramingError, LineDecoder, UnknownMessage, decode
 from llmgw.wire.messages import MESSAGE_TYPES
+from tests.fuzzing import FUZZ, json_values
 
-EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "300"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
-values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=16,
-)
 TYPES = sorted(cls.__name__ for cls in MESSAGE_TYPES)
 FIELDS = sorted({field.name for cls in MESSAGE_TYPES for field in attrs.fields(cls)})
 shaped = st.builds(
     lambda type_name, members: {**members, "type": type_name},
     st.sampled_from(TYPES) | st.text(max_size=10),
-    st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), values, max_size=6),
+    st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), json_values, max_size=6),
 )
 
 
