@@ -1,7 +1,7 @@
 """The user engines run as: an unprivileged one when the agent is root; root only when asked.
 
 An engine runs model code from the internet (custom modelling files, tokenizer code) and serves
-a port on every address of the node; as root, a flaw in either is the whole node. ``llmgw ctl node
+a port on the node's network; as root, a flaw in either is the whole node. ``llmgw ctl node
 add`` makes the user, in the video and render groups so that it can open the GPUs.
 """
 
