@@ -62,6 +62,10 @@ class IbPort:
         return self.link_layer == "Ethernet"
 
 
+# Where a node has no management address (one host, the server on loopback).
+LOOPBACK = "127.0.0.1"
+
+
 @frozen
 class Inventory:
     hostname: str
@@ -82,3 +86,8 @@ class Inventory:
     # TCP ports something other than our shards listens on: placement gives engines none of them,
     # or a start would fail on a port another program holds until the replica is moved.
     ports_in_use: tuple[int, ...] = ()
+
+    @property
+    def reached_at(self) -> str:
+        """The address the control plane reaches the node's engines at, and they listen on."""
+        return self.mgmt_address or LOOPBACK

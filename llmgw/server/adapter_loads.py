@@ -370,7 +370,7 @@ class AdapterLoads:
         node = self._nodes.get(record.shards[0].node)
         if profile is None or node is None:
             return None
-        host = node.inventory.mgmt_address or "127.0.0.1"
+        host = node.inventory.reached_at
         key = self._replicas.key_of(record.id) or ""
         return Upstream(host=host, port=record.shards[0].port, engine_key=key, replica=record.id), profile
 

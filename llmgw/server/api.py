@@ -722,7 +722,7 @@ def replica_json(
         leader = record.shards[0]
         node = registry.get(leader.node)
         if node is not None:
-            endpoint = f"{node.inventory.mgmt_address or '127.0.0.1'}:{leader.port}"
+            endpoint = f"{node.inventory.reached_at}:{leader.port}"
     data["endpoint"] = endpoint
     load = engine_load(record.id) if engine_load is not None else None
     data["load"] = None if load is None else attrs.asdict(load)

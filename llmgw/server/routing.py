@@ -146,7 +146,7 @@ class ReplicaRouter:
             if node is None:
                 continue
             # A node whose agent is reconnecting still serves: its engines never stopped.
-            host = node.inventory.mgmt_address or "127.0.0.1"
+            host = node.inventory.reached_at
             key = self._replicas.key_of(record.id) or ""
             profile = profiles.get(record.profile)
             slots = (profile.parallel if profile is not None else None) or DEFAULT_SLOTS

@@ -160,7 +160,7 @@ class EngineScraper:
             node = self._registry.get(leader.node)
             if node is None:
                 continue
-            host = node.inventory.mgmt_address or "127.0.0.1"  # as the router addresses it
+            host = node.inventory.reached_at  # as the router addresses it
             slots = self._slots(record) if self._slots is not None else None
             yield _Target(record, host, leader.port, self._replicas.key_of(record.id), slots)
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.core.inventory import LOOPBACK
 from llmgw.core.shard import ShardSpec
-
-# Where a node has no management address (one host, the server on loopback): loopback alone.
-LOOPBACK = "127.0.0.1"
 
 
 def listen_address(spec: ShardSpec) -> str:
     """The one address an engine listens on: the node's management address, which the router,
     the scraper and the adapter loads reach it at (and the agent's probes), else loopback. Never
     every address of the node: on an address no part of llmgw uses, an engine would answer
-    whoever reaches it there, the engine key its only guard."""
+    whoever reaches it there, the engine key its only guard. (The server's side of the same rule
+    is Inventory.reached_at: placement copies the node's address into the spec.)"""
     return spec.node_address or LOOPBACK
 
 

@@ -84,11 +84,12 @@ class RequireKey:
                 await send({"type": "http.response.body", "body": b'{"error":"Unauthorized"}'})
                 return
         await self.app(scope, receive, send)
-guard = types.ModuleType("llmgw_engine_guard")
-guard.RequireKey = RequireKey
-sys.modules[guard.__name__] = guard
-runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
-"""
+""" + (
+    f'guard = types.ModuleType("{GUARD_MODULE}")\n'
+    "guard.RequireKey = RequireKey\n"
+    "sys.modules[guard.__name__] = guard\n"
+    f'runpy.run_module("{API_SERVER_MODULE}", run_name="__main__", alter_sys=True)\n'
+)
 
 
 def plan(spec: ShardSpec, *, engine_key: str | None, binaries: EngineBinaries) -> LaunchPlan:
