@@ -12,6 +12,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.core.inventory import Inventory
 from llmgw.core.replica import Replica, ReplicaShard, ReplicaState
 from llmgw.core.scaling import EngineLoad
 from llmgw.gateway import RequestRecord, Upstream
@@ -187,7 +188,15 @@ class OneReplica:
         return f"key-of-{replica_id}"
 
     def get(self, node: str) -> SimpleNamespace:
-        return SimpleNamespace(inventory=SimpleNamespace(mgmt_address="127.0.0.1"))
+        return SimpleNamespace(
+            inventory=Inventory(
+                hostname=node,
+                cpu_count=1,
+                memory_total_mib=1,
+                memory_available_mib=1,
+                mgmt_address="127.0.0.1",
+            )
+        )
 
 
 async def rounds_past(scraper: EngineScraper, rounds: int) -> None:
